@@ -1,0 +1,1 @@
+"""Ray actors that wrap heavy engines (vLLM generator / hidden-state extractor, Mooncake master)."""

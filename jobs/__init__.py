@@ -1,0 +1,1 @@
+"""Command-line entry points, one per stage (``python -m jobs.<stage>``), plus the miniature end-to-end run."""

@@ -1,0 +1,118 @@
+"""The ONE place that owns the runtime environment of every entry point and test.
+
+* loopback only: Ray, Ray Serve, Mooncake and the dashboard bind to 127.0.0.1, metadata probes are blocked by a dead
+  proxy, usage stats are off;
+* vLLM on CPU: KV-cache size, cache/temp folders inside the project's work folder, offline hub;
+* ``init_ray(address)``: a local ``ray.init()`` or a connection to an existing cluster (``ray job submit`` sets
+  RAY_ADDRESS, which wins).
+
+Call :func:`apply_env` before importing ray / vllm / mooncake (``jobs`` and ``tests/conftest.py`` do it first thing).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "127.0.0.1"
+
+
+def work_dir() -> Path:
+    """The project's ignored work folder (artifacts, caches); override with DSPARK_WORK_DIR."""
+    p = Path(os.environ.get("DSPARK_WORK_DIR", PROJECT_ROOT / "work")).resolve()
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+# Environment every process must see.  setdefault semantics: an explicit user setting wins, except for the
+# loopback/proxy settings that keep traffic on this machine, which are forced.
+_FORCED = {
+    # Ray: keep node IP and GCS on 127.0.0.1, no usage reporting, no cloud metadata probes.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DISABLE_USAGE_STATS": "1",
+    # A dead proxy on loopback blocks any outbound HTTP (metadata probes); loopback itself bypasses it.
+    "HTTP_PROXY": "http://127.0.0.1:9",
+    "HTTPS_PROXY": "http://127.0.0.1:9",
+    "http_proxy": "http://127.0.0.1:9",
+    "https_proxy": "http://127.0.0.1:9",
+    "NO_PROXY": "127.0.0.1,localhost",
+    "no_proxy": "127.0.0.1,localhost",
+    # Mooncake transfer engine: TCP on loopback.
+    "MC_TCP_BIND_ADDRESS": LOOPBACK,
+    # No hub downloads, ever.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "RAY_DEDUP_LOGS": "1",
+    "RAY_SERVE_HTTP_HOST": LOOPBACK,
+    # Ray 2.60 defaults to token auth for clusters started with `ray start`; the CLI must agree.
+    "RAY_AUTH_MODE": "token",
+}
+
+
+def apply_env() -> None:
+    """Set the loopback / offline / CPU environment for this process and its children (idempotent)."""
+    os.environ.update(_FORCED)
+    for k, v in _DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    wd = work_dir()
+    for var, sub in (("VLLM_CACHE_ROOT", "cache/vllm"), ("TMPDIR", "tmp"), ("HF_HOME", "cache/hf")):
+        if var not in os.environ:
+            d = wd / sub
+            d.mkdir(parents=True, exist_ok=True)
+            os.environ[var] = str(d)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = False,
+             resources: dict | None = None, **kwargs):
+    """Start (or connect to) Ray with loopback settings.
+
+    ``address``: None -> RAY_ADDRESS if set (``ray job submit``) else a new local cluster; "auto" or "host:port" ->
+    connect.  Returns the ``ray`` module.
+    """
+    apply_env()
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, log_to_driver=True, **kwargs)
+    else:
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=dashboard,
+            dashboard_host=LOOPBACK,
+            _node_ip_address=LOOPBACK,
+            resources=resources,
+            log_to_driver=True,
+            **kwargs,
+        )
+    return ray
+
+
+def ray_start_head_command(port: int = 6379, dashboard_port: int = 8265, resources: dict | None = None) -> list[str]:
+    """The `ray start --head` command line that keeps a cluster on loopback (used by tests and documented)."""
+    import json
+
+    cmd = ["ray", "start", "--head", f"--port={port}", f"--node-ip-address={LOOPBACK}",
+           f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dashboard_port}", "--disable-usage-stats"]
+    if resources:
+        cmd.append(f"--resources={json.dumps(resources)}")
+    return cmd
+
+
+def torch_threads(n: int | None = None) -> None:
+    """Pin torch intra-op threads (default: all cores of this machine, at most 16)."""
+    import torch
+
+    torch.set_num_threads(n or min(16, os.cpu_count() or 1))

@@ -1,0 +1,1 @@
+"""Ray Serve application: engine replicas (target + DSpark speculator), load-aware router, OpenAI HTTP API."""
