@@ -1,0 +1,216 @@
+"""Stage 2 on Ray Data: target hidden states for every response row, into a hidden-state store.
+
+Primary extractor: vLLM actors running the ``extract_hidden_states`` method with our CPU-safe connector
+(actors.cpu_hidden_states_connector); fallback: transformers (pipeline.hf_extractor).  Each sample (prompt +
+response) goes through one prefill; the chosen layers and the final hidden state (the final norm applied to layer
+L, in fp32) come back as bf16 and are written to the store (Parquet shards on disk, or Mooncake), manifest last.
+Resumable: samples already in the store are skipped.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from actors.vllm_engine import build_llm
+from pipeline.hidden_store import bytes_per_token, tensor_from_bytes, tensor_to_bytes
+
+_IN_SCHEMA = pa.schema([("request_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.uint8()))])
+_OUT_SCHEMA = pa.schema([("request_id", pa.string()), ("n_tokens", pa.int32()), ("input_ids", pa.large_binary()),
+                         ("loss_mask", pa.large_binary()), ("aux_hidden", pa.large_binary()),
+                         ("last_hidden", pa.large_binary())])
+
+
+@dataclass
+class ExtractConfig:
+    responses: Path = field(default=Path("work/responses"), metadata={"help": "stage-1 output folder"})
+    out: Path = field(default=Path("work/hidden"), metadata={
+        "help": "disk store folder (--store disk); with --store mooncake, where the run summary is written"})
+    store: str = field(default="disk", metadata={"help": "hidden-state backend", "choices": ["disk", "mooncake"]})
+    mooncake_master: str | None = field(default=None, metadata={
+        "help": "existing Mooncake master 'host:port' (default: the job starts one on 127.0.0.1 and stops it)"})
+    mooncake_metadata: str | None = field(default=None, metadata={
+        "help": "metadata server URL of an existing Mooncake master (with --mooncake-master)"})
+    mooncake_prefix: str = field(default="dspark", metadata={"help": "key prefix of this data set in Mooncake"})
+    target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
+    layer_ids: str | None = field(default=None, metadata={
+        "help": "comma-separated target layer ids (vLLM convention, 0=embeddings, L=last layer before the norm); "
+                "default: DFlash rule with 3 layers"})
+    extractor: str = field(default="vllm", metadata={"help": "extractor", "choices": ["vllm", "hf"]})
+    max_model_len: int = field(default=2048, metadata={"help": "longest sample in tokens (longer ones are skipped)"})
+    batch_size: int = field(default=16, metadata={"help": "samples per extractor call"})
+    pool_size: int = field(default=1, metadata={"help": "number of extractor actors"})
+    actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per extractor actor"})
+    actor_resources: str | None = field(default=None, metadata={
+        "help": "extra Ray resources per actor as JSON, e.g. '{\"inference\": 1}'"})
+    limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
+    address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
+
+
+def _final_norm(target: str):
+    """The target's final RMSNorm (weight, eps), applied in fp32 to layer L's output."""
+    from safetensors import safe_open
+
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    for f in sorted(Path(target).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for name in ("model.norm.weight", "model.language_model.norm.weight", "norm.weight"):
+                if name in sf.keys():
+                    return sf.get_tensor(name).float(), eps
+    raise KeyError(f"{target}: final norm weight not found")
+
+
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class VLLMExtractor:
+    """Ray Data actor: pa.Table (request_id, input_ids, loss_mask) -> serialized sample tensors."""
+
+    def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, kind: str = "vllm"):
+        self.layer_ids = list(layer_ids)
+        self.kind = kind
+        self.want = sorted(set(self.layer_ids) | {n_layers})  # layer L always, for the final hidden state
+        self.norm_w, self.eps = _final_norm(target)
+        if kind == "vllm":
+            self.llm = build_llm(target, max_model_len=max_model_len + 1, extract_layer_ids=self.want)
+        else:
+            from pipeline.hf_extractor import HFExtractor
+
+            self.hf = HFExtractor(target, self.layer_ids)
+
+    def _vllm_hidden(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        from vllm import SamplingParams
+
+        from actors.cpu_hidden_states_connector import _REGISTRY, pop_hidden_states
+
+        outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, temperature=0),
+                                 use_tqdm=False)
+        keys = [o.kv_transfer_params["hidden_states_path"] for o in outs]
+        for _ in range(64):  # the connector finishes its copies on the engine's next steps
+            if all(k in _REGISTRY for k in keys):
+                break
+            self.llm.llm_engine.step()
+        result = []
+        for k, s in zip(keys, seqs):
+            d = pop_hidden_states(k)
+            if d["token_ids"].tolist() != s:
+                raise RuntimeError("vLLM returned hidden states for different tokens than requested")
+            result.append(d["hidden_states"])  # [T, len(want), d]
+        return result
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        out = []
+        if self.kind == "vllm":
+            hidden = self._vllm_hidden([r["input_ids"] for r in rows])
+            for r, hs in zip(rows, hidden):
+                idx = [self.want.index(k) for k in self.layer_ids]
+                aux = hs[:, idx].reshape(hs.shape[0], -1).to(torch.bfloat16)
+                last = rms_norm_fp32(hs[:, self.want.index(self.want[-1])], self.norm_w, self.eps).to(torch.bfloat16)
+                out.append(self._row(r, aux, last))
+        else:
+            for r in rows:
+                aux, last = self.hf.extract(r["input_ids"])
+                out.append(self._row(r, aux, last))
+        return pa.Table.from_pylist(out, schema=_OUT_SCHEMA)
+
+    @staticmethod
+    def _row(r, aux, last):
+        return dict(request_id=r["request_id"], n_tokens=len(r["input_ids"]),
+                    input_ids=tensor_to_bytes(torch.tensor(r["input_ids"], dtype=torch.int32)),
+                    loss_mask=tensor_to_bytes(torch.tensor(r["loss_mask"], dtype=torch.uint8)),
+                    aux_hidden=tensor_to_bytes(aux), last_hidden=tensor_to_bytes(last))
+
+
+def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tensor]:
+    T = row["n_tokens"]
+    return {"input_ids": tensor_from_bytes(row["input_ids"], torch.int32, (T,)),
+            "loss_mask": tensor_from_bytes(row["loss_mask"], torch.uint8, (T,)),
+            "aux_hidden": tensor_from_bytes(row["aux_hidden"], torch.bfloat16, (T, aux_dim)),
+            "last_hidden": tensor_from_bytes(row["last_hidden"], torch.bfloat16, (T, hidden))}
+
+
+def open_store(cfg: ExtractConfig, endpoint=None):
+    """The store named by the config (disk folder, or Mooncake at ``endpoint``)."""
+    if cfg.store == "disk":
+        from pipeline.disk_store import DiskHiddenStore
+
+        return DiskHiddenStore(cfg.out)
+    from pipeline.mooncake_store import MooncakeHiddenStore
+
+    return MooncakeHiddenStore(endpoint, prefix=cfg.mooncake_prefix)
+
+
+def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
+    """Run stage 2.  With --store mooncake, ``endpoint`` is a running master (the job starts one if None)."""
+    from tqdm import tqdm
+
+    from pipeline.runtime import init_ray
+    from pipeline.shards import ShardSet
+    from pipeline.target_model import num_layers, parse_layer_ids, resolve_target
+
+    target = resolve_target(cfg.target)
+    L = num_layers(target)
+    layer_ids = parse_layer_ids(cfg.layer_ids, L)
+    hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
+    responses = ShardSet(cfg.responses, key="request_id")
+    resp_manifest = responses.manifest()  # stage 1 must have finished
+    store = open_store(cfg, endpoint)
+    done = store.done_ids()
+    todo, too_long = [], []
+    for row in responses.iter_rows(["request_id", "prompt_ids", "response_ids", "loss_mask"]):
+        if row["request_id"] in done:
+            continue
+        ids = row["prompt_ids"] + row["response_ids"]
+        if len(ids) > cfg.max_model_len:
+            too_long.append(row["request_id"])
+            continue
+        todo.append({"request_id": row["request_id"], "input_ids": ids, "loss_mask": row["loss_mask"]})
+    if cfg.limit is not None:
+        todo = todo[: max(0, cfg.limit - len(done))]
+    for rid in too_long:
+        print(f"[extract] skipped {rid}: longer than --max-model-len {cfg.max_model_len}")
+    print(f"[extract] layers {layer_ids} of {L}; {len(done)} samples already stored, {len(todo)} to extract")
+    meta = dict(stage="hidden_states", target=str(target), layer_ids=layer_ids, num_target_layers=L,
+                hidden_size=hidden, aux_dim=hidden * len(layer_ids), extractor=cfg.extractor,
+                responses=str(cfg.responses), response_manifest_rows=resp_manifest.get("num_rows"),
+                skipped_too_long=too_long, bytes_per_token=bytes_per_token(len(layer_ids), hidden))
+    t0, ntok = time.time(), 0
+    if todo:
+        ray = init_ray(cfg.address)
+        import ray.data
+        from ray.data import ActorPoolStrategy
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        ds = ray.data.from_arrow(pa.Table.from_pylist(todo, schema=_IN_SCHEMA))
+        ds = ds.repartition(max(1, (len(todo) + cfg.batch_size - 1) // cfg.batch_size))
+        resources = json.loads(cfg.actor_resources) if cfg.actor_resources else None
+        ds = ds.map_batches(VLLMExtractor, batch_format="pyarrow", batch_size=cfg.batch_size,
+                            compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
+                            **({"resources": resources} if resources else {}),
+                            fn_constructor_kwargs=dict(target=str(target), layer_ids=layer_ids, n_layers=L,
+                                                       max_model_len=cfg.max_model_len, kind=cfg.extractor))
+        bar = tqdm(total=len(todo), desc="extract", unit="sample", dynamic_ncols=True)
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            for row in batch.to_pylist():
+                store.put(row["request_id"], row_to_sample(row, hidden * len(layer_ids), hidden))
+                ntok += row["n_tokens"]
+            store.flush()
+            bar.update(batch.num_rows)
+            bar.set_postfix(tok_s=f"{ntok / max(1e-9, time.time() - t0):.0f}")
+        bar.close()
+    dt = time.time() - t0
+    manifest = store.commit(dict(meta, extract_seconds=round(dt, 2), extracted_tokens=ntok))
+    if ntok:
+        print(f"[extract] {ntok} tokens in {dt:.1f}s: {ntok / dt:.0f} tok/s end to end (incl. engine start); "
+              f"{meta['bytes_per_token']} bytes/token stored")
+    store.close()
+    return manifest

@@ -1,0 +1,128 @@
+"""Stages 1 and 2 on the real stack: real SmolLM2 target, real vLLM engine in Ray Data actors, real Ray cluster."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from actors.extraction import ExtractConfig, run_extraction
+from actors.generation import GenerateConfig, run_generation
+from pipeline.disk_store import DiskHiddenStore
+from pipeline.shards import ShardSet
+
+pytestmark = pytest.mark.slow
+
+GOOD = ["What is 2 + 3?", "Write a haiku about rain.", "Name three colors.", "Write a Python function that adds two numbers."]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prompts")
+    f = d / "mixed.jsonl"
+    lines = [json.dumps({"turns": [p]}) for p in GOOD[:2]]
+    lines += ["{broken json", json.dumps({"turns": [""]}), json.dumps({"prompt": "word " * 600})]
+    lines += [json.dumps({"prompt": p}) for p in GOOD[2:]]
+    f.write_text("\n".join(lines) + "\n")
+    return f
+
+
+@pytest.fixture(scope="module")
+def responses(ray_session, target_dir, prompt_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("resp")
+    cfg = GenerateConfig(prompts=[prompt_file], out=out, target=str(target_dir), max_new_tokens=24,
+                         max_model_len=512, batch_size=4, rows_per_shard=3)
+    return cfg, run_generation(cfg)
+
+
+def test_generate_real_target(responses, target_dir):
+    from transformers import AutoTokenizer
+
+    cfg, manifest = responses
+    assert manifest["complete"] and manifest["num_rows"] == 4 and manifest["num_skipped"] == 3
+    skipped = {r["line"]: r["reason"] for r in pq.read_table(cfg.out / "skipped.parquet").to_pylist()}
+    assert "malformed JSON" in skipped[3] and skipped[4] == "empty prompt" and "longer than the context" in skipped[5]
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    rows = list(ShardSet(cfg.out, "request_id").iter_rows())
+    assert sorted(r["request_id"] for r in rows) == ["mixed:1", "mixed:2", "mixed:6", "mixed:7"]
+    for r in rows:
+        assert len(r["loss_mask"]) == len(r["prompt_ids"]) + len(r["response_ids"])
+        assert sum(r["loss_mask"]) == len(r["response_ids"]) > 0
+        assert r["loss_mask"][len(r["prompt_ids"]) - 1] == 0 and r["loss_mask"][-1] == 1
+        if r["finish_reason"] == "stop":
+            assert r["response_ids"][-1] == tok.eos_token_id  # the end-of-turn token is kept (and supervised)
+        else:
+            assert len(r["response_ids"]) == 24
+        assert tok.decode(r["prompt_ids"]).endswith("<|im_start|>assistant\n")
+    # greedy vLLM output equals transformers' greedy output for the same prompt
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    r = rows[0]
+    ref = m.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=8, do_sample=False)[0, len(r["prompt_ids"]):]
+    assert r["response_ids"][:8] == ref.tolist()
+
+
+def test_extract_real_target_vllm_matches_transformers(responses, target_dir, tmp_path):
+    from pipeline.hf_extractor import HFExtractor
+
+    cfg, _ = responses
+    ecfg = ExtractConfig(responses=cfg.out, out=tmp_path / "hidden", target=str(target_dir), max_model_len=512,
+                         batch_size=4)
+    manifest = run_extraction(ecfg)
+    assert len(manifest["sample_ids"]) == 4 and manifest["layer_ids"] == [2, 15, 28]
+    assert manifest["bytes_per_token"] == 5 + 2 * 3 * 576 + 2 * 576
+    store = DiskHiddenStore(tmp_path / "hidden")
+    resp = {r["request_id"]: r for r in ShardSet(cfg.out, "request_id").iter_rows()}
+    hf = HFExtractor(target_dir, manifest["layer_ids"], dtype=torch.bfloat16)
+    lm_head = hf.model.lm_head.weight.float()
+    for sid in manifest["sample_ids"]:
+        s = store.get(sid)
+        r = resp[sid]
+        assert s["input_ids"].tolist() == r["prompt_ids"] + r["response_ids"]
+        assert s["loss_mask"].tolist() == r["loss_mask"]
+        T = len(s["input_ids"])
+        assert s["aux_hidden"].shape == (T, 3 * 576) and s["last_hidden"].shape == (T, 576)
+        aux, last = hf.extract(s["input_ids"].tolist())
+        for j in range(3):
+            a, b = s["aux_hidden"][:, j * 576:(j + 1) * 576].float(), aux[:, j * 576:(j + 1) * 576].float()
+            rel = ((a - b).norm() / b.norm()).item()
+            assert rel < 0.05, f"layer {manifest['layer_ids'][j]}: relative error {rel:.4f}"
+        rel = ((s["last_hidden"].float() - last.float()).norm() / last.float().norm()).item()
+        assert rel < 0.06, f"final hidden: relative error {rel:.4f}"
+        agree = ((s["last_hidden"].float() @ lm_head.T).argmax(-1) == (last.float() @ lm_head.T).argmax(-1))
+        assert agree.float().mean() > 0.9
+    # rerun: nothing left to do, same manifest ids
+    again = run_extraction(ecfg)
+    assert again["sample_ids"] == manifest["sample_ids"]
+
+
+def test_generation_resumes_after_kill(ray_session, target_dir, tmp_path):
+    """SIGKILL a real `python -m jobs.generate` after its first shard; the rerun completes exactly once."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Count from {i} to {i + 5}."}) + "\n" for i in range(8)))
+    out = tmp_path / "resp"
+    args = ["--prompts", str(prompts), "--out", str(out), "--target", str(target_dir), "--max-new-tokens", "16",
+            "--max-model-len", "256", "--batch-size", "2", "--rows-per-shard", "2"]
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.generate", *args], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and not list(out.glob("part-*.parquet")):
+            assert proc.poll() is None, "generate exited before writing a shard"
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    first = ShardSet(out, "request_id").done_ids()
+    assert 0 < len(first) < 8 and not (out / "manifest.json").exists()
+    m = run_generation(GenerateConfig(prompts=[prompts], out=out, target=str(target_dir), max_new_tokens=16,
+                                      max_model_len=256, batch_size=2, rows_per_shard=2))
+    ids = [r["request_id"] for r in ShardSet(out, "request_id").iter_rows(["request_id"])]
+    assert m["complete"] and len(ids) == 8 and sorted(set(ids)) == sorted(ids) == sorted(f"p:{i}" for i in range(1, 9))
+    assert first <= set(ids)
