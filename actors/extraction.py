@@ -36,7 +36,9 @@ class ExtractConfig:
         "help": "existing Mooncake master 'host:port' (default: the job starts one on 127.0.0.1 and stops it)"})
     mooncake_metadata: str | None = field(default=None, metadata={
         "help": "metadata server URL of an existing Mooncake master (with --mooncake-master)"})
-    mooncake_prefix: str = field(default="dspark", metadata={"help": "key prefix of this data set in Mooncake"})
+    mooncake_prefix: str = field(default="dspark/hidden", metadata={"help": "key prefix of this data set in Mooncake"})
+    mooncake_segment: str = field(default="4G", metadata={
+        "help": "memory the job's own Mooncake segment server holds (when the job starts the master)"})
     target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
     layer_ids: str | None = field(default=None, metadata={
         "help": "comma-separated target layer ids (vLLM convention, 0=embeddings, L=last layer before the norm); "
@@ -146,7 +148,7 @@ def open_store(cfg: ExtractConfig, endpoint=None):
         return DiskHiddenStore(cfg.out)
     from pipeline.mooncake_store import MooncakeHiddenStore
 
-    return MooncakeHiddenStore(endpoint, prefix=cfg.mooncake_prefix)
+    return MooncakeHiddenStore(cfg.mooncake_prefix, endpoint)
 
 
 def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:

@@ -16,10 +16,18 @@ def main(argv=None):
 
     cfg = parse_config(ExtractConfig, argv, description=__doc__)
     if cfg.store == "mooncake":
-        from actors.mooncake_master import mooncake_endpoint
+        from actors.mooncake_master import MooncakeMaster
 
-        with mooncake_endpoint(cfg.mooncake_master, cfg.mooncake_metadata) as endpoint:
+        if cfg.mooncake_master:
+            if not cfg.mooncake_metadata:
+                raise SystemExit("--mooncake-master needs --mooncake-metadata (the master's metadata server URL)")
+            endpoint = MooncakeMaster.connect(cfg.mooncake_master, cfg.mooncake_metadata)
             manifest = run_extraction(cfg, endpoint)
+        else:
+            print("[extract] starting a mooncake_master on 127.0.0.1 for this job (its data lives as long as the "
+                  "job; use --mooncake-master to keep it, e.g. `python -m actors.mooncake_master`)")
+            with MooncakeMaster(segment_bytes=cfg.mooncake_segment) as master:
+                manifest = run_extraction(cfg, master.endpoint)
     else:
         manifest = run_extraction(cfg)
     print(f"[extract] done: {len(manifest['sample_ids'])} samples, {manifest['num_tokens']} tokens "

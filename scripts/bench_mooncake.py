@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
 
-    from actors.mooncake_master import MooncakeEndpoint, MooncakeMaster
+    from actors.mooncake_master import MooncakeMaster
     from pipeline.mooncake_store import MooncakeHiddenStore
 
     T, d, n = args.tokens, args.hidden, args.aux_layers

@@ -1,0 +1,329 @@
+"""MooncakeHiddenStore against a real mooncake_master (+ segment server) on 127.0.0.1.
+
+Cross-process checks run this file as a script (``python tests/test_mooncake_store.py <role> <json>``) in fresh
+interpreters; they print JSON (per-sample SHA-256 of the raw tensor bytes) which the test compares with the
+expected data, regenerated from seeds -- so bf16 equality is bit-for-bit, NaN payloads included.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pipeline.runtime import apply_env  # noqa: E402
+
+apply_env()
+
+import torch  # noqa: E402
+
+from pipeline.hidden_store import TENSOR_FIELDS, StoreError  # noqa: E402
+from pipeline.mooncake_store import MooncakeHiddenStore  # noqa: E402
+
+AUX, HID = 3 * 64, 64
+
+
+def make_sample(seed: int, T: int) -> dict[str, torch.Tensor]:
+    """Random tensors; bf16 from random 16-bit patterns (every pattern class: NaN payloads, inf, subnormals)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(-2**31, 2**31 - 1, (T,), generator=g, dtype=torch.int32),
+        "loss_mask": torch.randint(0, 256, (T,), generator=g, dtype=torch.int32).to(torch.uint8),
+        "aux_hidden": torch.randint(-2**15, 2**15, (T, AUX), generator=g, dtype=torch.int32).to(torch.int16)
+        .view(torch.bfloat16),
+        "last_hidden": torch.randint(-2**15, 2**15, (T, HID), generator=g, dtype=torch.int32).to(torch.int16)
+        .view(torch.bfloat16),
+    }
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    out = {}
+    for name, t in tensors.items():
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        out[name] = f"{t.dtype}|{tuple(t.shape)}|" + hashlib.sha256(raw.contiguous().numpy().tobytes()).hexdigest()
+    return out
+
+
+def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]):
+    assert set(a) == set(b) == set(TENSOR_FIELDS)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        ra = a[k].view(torch.int16) if a[k].dtype == torch.bfloat16 else a[k]
+        rb = b[k].view(torch.int16) if b[k].dtype == torch.bfloat16 else b[k]
+        assert torch.equal(ra, rb), k
+
+
+SPECS = [("s0", 0, 1), ("s1", 1, 37), ("s2", 2, 300), ("x/with/slash", 3, 5), ("empty", 4, 0)]  # (id, seed, T)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# child-process roles (run as a script)
+def _role_write(args: dict) -> dict:
+    s = MooncakeHiddenStore(args["prefix"], index_every=args.get("index_every", 64))
+    for sid, seed, T in args["samples"]:
+        s.put(sid, make_sample(seed, T))
+    if args.get("partial"):  # fields of one sample without its header: what a writer killed mid-put leaves
+        sid, seed, T = args["partial"]
+        t = make_sample(seed, T)
+        from pipeline.hidden_store import tensor_to_bytes
+        rc = s._store.upsert_batch([s._key(sid, n) for n in t], [tensor_to_bytes(v) for v in t.values()], s._cfg)
+        assert rc == 0, rc
+    if args.get("crash"):
+        sys.stdout.write(json.dumps({"ok": True}) + "\n")
+        sys.stdout.flush()
+        os._exit(3)  # no flush, no close
+    if args.get("commit"):
+        s.commit({"target": "test"})
+    s.close()
+    return {"ok": True}
+
+
+def _role_read(args: dict) -> dict:
+    s = MooncakeHiddenStore(args["prefix"], zero_copy=args.get("zero_copy", True))
+    ids = s.manifest()["sample_ids"] if args.get("use_manifest") else args["ids"]
+    out = {}
+    for _ in range(args.get("repeat", 1)):
+        for sid, t in s.iter_samples(ids):
+            d = digest(t)
+            assert out.setdefault(sid, d) == d
+    s.close()
+    return {"digests": out, "pid": os.getpid()}
+
+
+def run_child(role: str, args: dict, endpoint, wait: bool = True, timeout: float = 120):
+    from actors.mooncake_master import loopback_preload_env
+
+    env = dict(os.environ, **endpoint.to_env(), PYTHONPATH=str(ROOT))
+    env.update(loopback_preload_env(env))
+    p = subprocess.Popen([sys.executable, __file__, role, json.dumps(args)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return p
+    return finish_child(p, timeout)
+
+
+def finish_child(p: subprocess.Popen, timeout: float = 120, expect_rc: int = 0) -> dict:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == expect_rc, f"child rc={p.returncode}\n{err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    _role, _args = sys.argv[1], json.loads(sys.argv[2])
+    print(json.dumps({"write": _role_write, "read": _role_read}[_role](_args)), flush=True)
+    sys.exit(0)
+
+# ---------------------------------------------------------------------------------------------------------------------
+import pytest  # noqa: E402
+
+from actors.mooncake_master import (MooncakeEndpoint, MooncakeLaunchError, MooncakeMaster, free_port,  # noqa: E402
+                                    loopback_shim, tcp_reachable)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def master():
+    with MooncakeMaster(segment_bytes="128M") as m:
+        yield m
+
+
+@pytest.fixture
+def store_factory(master, request):
+    opened = []
+
+    def make(prefix=None, **kw):
+        s = MooncakeHiddenStore(prefix or f"t/{request.node.name}", master.endpoint, **kw)
+        opened.append(s)
+        return s
+
+    yield make
+    for s in opened:
+        try:
+            s.drop()
+        finally:
+            s.close()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_roundtrip_bit_exact_in_process(store_factory, zero_copy):
+    s = store_factory(zero_copy=zero_copy)
+    for sid, seed, T in SPECS:
+        s.put(sid, make_sample(seed, T))
+    for sid, seed, T in SPECS:
+        assert_bit_exact(s.get(sid), make_sample(seed, T))
+    # the other transfer path reads the same bytes
+    other = store_factory(s.prefix, zero_copy=not zero_copy)
+    got = other.get_many([sid for sid, _, _ in SPECS])
+    for (sid, seed, T), t in zip(SPECS, got):
+        assert_bit_exact(t, make_sample(seed, T))
+
+
+def test_put_existing_is_noop_and_validation(store_factory):
+    s = store_factory()
+    s.put("a", make_sample(1, 10))
+    s.put("a", make_sample(2, 20))  # same id, other data: ignored
+    assert_bit_exact(s.get("a"), make_sample(1, 10))
+    bad = make_sample(3, 4)
+    bad["aux_hidden"] = bad["aux_hidden"].float()
+    with pytest.raises(StoreError):
+        s.put("b", bad)
+    with pytest.raises(StoreError):
+        s.put("manifest", make_sample(3, 4))
+
+
+def test_unknown_id_raises_keyerror(store_factory):
+    s = store_factory()
+    s.put("a", make_sample(1, 3))
+    with pytest.raises(KeyError):
+        s.get("nope")
+    with pytest.raises(KeyError):
+        s.get_many(["a", "nope"])
+    with pytest.raises(KeyError):
+        s.get("")
+
+
+def test_manifest_absent_until_commit(store_factory):
+    s = store_factory()
+    with pytest.raises(StoreError, match="no manifest"):
+        s.manifest()
+    s.put("a", make_sample(1, 5))
+    s.put("b", make_sample(2, 7))
+    reader = store_factory(s.prefix)
+    with pytest.raises(StoreError):
+        reader.manifest()
+    m = s.commit({"target": "t", "layer_ids": [1, 2, 3]})
+    assert m == reader.manifest()
+    assert m["sample_ids"] == ["a", "b"] and m["num_rows"] == 2 and m["num_tokens"] == 12
+    assert m["backend"] == "mooncake" and m["layer_ids"] == [1, 2, 3]
+    assert [sid for sid, _ in reader.iter_samples()] == ["a", "b"]
+    # a later put makes the store incomplete again (as a new disk shard does), until the next commit
+    s.put("c", make_sample(3, 1))
+    with pytest.raises(StoreError):
+        reader.manifest()
+    assert s.commit({"target": "t"})["sample_ids"] == ["a", "b", "c"]
+
+
+def test_done_ids_and_resume_after_crash(master, store_factory):
+    prefix = "t/resume"
+    specs = [(f"r{i}", 10 + i, 8 + i) for i in range(5)]
+    res = run_child("write", {"prefix": prefix, "samples": specs, "index_every": 2, "crash": True,
+                              "partial": ["r9", 99, 6]}, master.endpoint, wait=False)
+    assert finish_child(res, expect_rc=3)["ok"]
+    s = store_factory(prefix, index_every=2)
+    # the crashed writer indexed r0..r3 (every 2 puts); r4 was put after its last index write; r9 has no header
+    assert s.done_ids() == {"r0", "r1", "r2", "r3"}
+    with pytest.raises(KeyError):
+        s.get("r9")
+    assert_bit_exact(s.get("r4"), make_sample(14, 12))  # visible (header exists), just not yet indexed
+    # resume: put everything not done; existing ids are no-ops, r9's leftovers are overwritten
+    for sid, seed, T in specs + [("r9", 109, 6)]:
+        if sid not in s.done_ids():
+            s.put(sid, make_sample(seed, T))
+    s.flush()
+    fresh = store_factory(prefix)
+    assert fresh.done_ids() == {f"r{i}" for i in range(5)} | {"r9"}
+    assert_bit_exact(fresh.get("r9"), make_sample(109, 6))
+    for sid, seed, T in specs:
+        assert_bit_exact(fresh.get(sid), make_sample(seed, T))
+    m = fresh.commit({"target": "t"})
+    assert m["num_rows"] == 6
+
+
+@pytest.fixture(scope="module")
+def written(master):
+    """A store written and committed by another process that has exited."""
+    prefix = "t/xproc"
+    run_child("write", {"prefix": prefix, "samples": SPECS, "commit": True}, master.endpoint)
+    yield prefix
+    with MooncakeHiddenStore(prefix, master.endpoint) as s:
+        s.drop()
+
+
+def test_cross_process_roundtrip(master, written):
+    expected = {sid: digest(make_sample(seed, T)) for sid, seed, T in SPECS}
+    got = run_child("read", {"prefix": written, "use_manifest": True, "zero_copy": False}, master.endpoint)
+    assert got["digests"] == expected  # reader process != writer process (which is gone)
+    with MooncakeHiddenStore(written, master.endpoint) as s:  # and this process
+        assert s.manifest()["sample_ids"] == sorted(expected)
+        assert s.done_ids() == set(expected)
+        for sid, seed, T in SPECS:
+            assert_bit_exact(s.get(sid), make_sample(seed, T))
+
+
+def test_two_consumers_in_separate_processes(master, written):
+    expected = {sid: digest(make_sample(seed, T)) for sid, seed, T in SPECS}
+    ids = [sid for sid, _, _ in SPECS]
+    procs = [run_child("read", {"prefix": written, "ids": ids, "repeat": 5}, master.endpoint, wait=False)
+             for _ in range(2)]
+    results = [finish_child(p) for p in procs]
+    assert results[0]["pid"] != results[1]["pid"]
+    for r in results:
+        assert r["digests"] == expected
+
+
+def test_unreachable_master_fails_fast():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="unreachable"):
+        MooncakeHiddenStore("t/x", master_addr=f"127.0.0.1:{port}",
+                            metadata_url=f"http://127.0.0.1:{free_port()}/metadata", connect_timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(MooncakeLaunchError):
+        MooncakeMaster.connect(f"127.0.0.1:{port}", "http://127.0.0.1:1/metadata", timeout=1.0)
+    with pytest.raises(MooncakeLaunchError, match="loopback"):
+        MooncakeMaster.connect("10.0.0.1:50051", "http://10.0.0.1:8080/metadata", timeout=1.0)
+
+
+def test_store_full_is_a_clear_error_and_nothing_is_evicted():
+    with MooncakeMaster(segment_bytes="32M") as small:
+        s = MooncakeHiddenStore("t/full", small.endpoint)
+        try:
+            T = 2048  # ~1.3 MB per sample
+            put = []
+            with pytest.raises(StoreError, match="FULL"):
+                for i in range(100):
+                    s.put(f"f{i}", make_sample(i, T))
+                    put.append(i)
+            assert 10 <= len(put) < 100
+            for i in put:  # hard-pinned: every sample put before the error is still there, bit-exact
+                assert_bit_exact(s.get(f"f{i}"), make_sample(i, T))
+            s.drop()  # frees the space
+            s.put("again", make_sample(7, T))
+        finally:
+            s.close()
+
+
+def test_master_lifecycle_connect_and_stop():
+    m = MooncakeMaster(segment_bytes="16M")
+    ep = m.start()
+    try:
+        assert m.is_running()
+        assert ep.master_addr.startswith("127.0.0.1:") and ep.metadata_url.startswith("http://127.0.0.1:")
+        assert MooncakeMaster.connect(ep.master_addr, ep.metadata_url) == MooncakeEndpoint(ep.master_addr,
+                                                                                           ep.metadata_url)
+        assert pickle.loads(pickle.dumps(ep)) == ep
+        assert MooncakeEndpoint.from_dict(json.loads(json.dumps(ep.to_dict()))) == ep
+        assert m.capacity()["total"] >= 16 << 20
+        if loopback_shim() is not None and shutil.which("ss"):
+            listeners = m.listen_report()
+            assert listeners and all(ln.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))
+                                     for ln in listeners), listeners
+    finally:
+        m.stop()
+    assert m.master_proc.returncode is not None and m.segment_proc.returncode is not None
+    for p in (m.master_proc, m.segment_proc):  # reaped: no zombie left
+        with pytest.raises(ChildProcessError):
+            os.waitpid(p.pid, os.WNOHANG)
+    host, port = ep.master_addr.rsplit(":", 1)
+    assert not tcp_reachable(host, int(port), timeout=0.5)
+    m.stop()  # idempotent
