@@ -67,7 +67,7 @@ def main():
     last = (torch.randn(1, T, d) * 3).to(torch.bfloat16)
     stats = th.stats(last[0].float()) if args.cached_lse else None
     stats = None if stats is None else (stats[0][None], stats[1][None])
-    opt = torch.optim.AdamW(m.trainable_parameters(), lr=6e-4)
+    opt = torch.optim.AdamW(m.trainable_parameters(), lr=6e-4, fused=True)  # fused: ~7x faster step on CPU
     lcfg = LossConfig(kind=args.kind)
     gen = torch.Generator().manual_seed(0)
     tot_pos, tot_t, tot_cpu = 0, 0.0, 0.0

@@ -1,0 +1,150 @@
+"""Sequential (Markov) logit-bias heads of DSpark (DSPARK.md §3).
+
+Step-k logits are g_k = U_k + bias_k, where U_k = lm_head(h_k) are the parallel backbone's base logits and bias_k
+depends on the previous token x_{k-1} (x_0 = the anchor).  Every head factors into a cheap rank-r *latent*
+z_k and one shared projection W2 (`markov_w2`, r -> V_d):
+
+    vanilla  z_k = W1[x_{k-1}]
+    gated    z_k = σ(W_g [h_k; W1[x_{k-1}]] + b) ⊙ W1[x_{k-1}]                      (`gate_proj`)
+    rnn      [g; c; o] = W_j [s_{k-1}; W1[x_{k-1}]; h_k] + b,                        (`joint_proj`)
+             s_k = σ(g) ⊙ s_{k-1} + (1-σ(g)) ⊙ tanh(c),  s_0 = 0,   z_k = tanh(o)
+    bias_k = W2 z_k
+
+W1 (`markov_w1`, Embedding [V, r]) is indexed by TARGET token ids; W2 rows are draft-vocab indices.
+
+Two paths over the same parameters:
+  * `latent(prev [..., γ], h [..., γ, d]) -> z [..., γ, r]`: teacher-forced, all positions at once (the RNN unrolls
+    its γ steps, vectorised over everything else).  `bias = project(latent)`; the trainer projects only the rows it
+    supervises.
+  * `step(prev [B], h_k [B, d], state) -> (bias [B, V_d], state)`: one inference step.  The RNN CARRIES its state
+    (DeepSpec's `compute_step_bias` restarts from zero -- DSPARK.md §10.11 -- which is wrong).
+
+`NoHead` (markov_rank = 0) is the DFlash baseline: `bias`/`step` return None.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class NoHead(nn.Module):
+    """DFlash: no sequential stage."""
+
+    rank = 0
+    head_type = "none"
+
+    def prev_embed(self, prev: torch.Tensor):
+        return None
+
+    def init_state(self, batch: int, device=None, dtype=None):
+        return None
+
+    def latent(self, prev, h):
+        return None
+
+    def project(self, z):
+        return None
+
+    def add_bias(self, base, z):
+        return base
+
+    def bias(self, prev, h):
+        return None
+
+    def step(self, prev, h_k, state):
+        return None, state
+
+
+class VanillaMarkovHead(nn.Module):
+    head_type = "vanilla"
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__()
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r], rows = target ids
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)  # [V_d, r]
+        # start as DFlash (bias 0); W2 gets gradient at once because W1 is random
+        nn.init.zeros_(self.markov_w2.weight)
+
+    def prev_embed(self, prev: torch.Tensor) -> torch.Tensor:  # [...] target ids -> [..., r]
+        return self.markov_w1(prev)
+
+    def init_state(self, batch: int, device=None, dtype=None):
+        return None
+
+    def _latent_step(self, e, h_k, state):  # e [..., r], h_k [..., d] -> (z [..., r], state)
+        return e, state
+
+    def latent(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """prev [..., γ] target ids, h [..., γ, d] -> z [..., γ, r] (teacher-forced, parallel)."""
+        return self.prev_embed(prev)
+
+    def project(self, z: torch.Tensor) -> torch.Tensor:  # [..., r] -> [..., V_d]
+        return self.markov_w2(z)
+
+    def add_bias(self, base: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """base [N, V_d] + W2 z [N, r]: one fused GEMM-with-accumulate (no extra [N, V_d] pass)."""
+        if base.dim() == 2 and base.dtype == z.dtype:
+            return torch.addmm(base, z, self.markov_w2.weight.t())
+        return base + self.project(z).to(base.dtype)
+
+    def bias(self, prev: torch.Tensor, h: torch.Tensor) -> torch.Tensor:  # -> [..., γ, V_d]
+        return self.project(self.latent(prev, h))
+
+    def step(self, prev: torch.Tensor, h_k: torch.Tensor, state):
+        """prev [B] target ids, h_k [B, d] -> (bias [B, V_d], new state)."""
+        z, state = self._latent_step(self.prev_embed(prev), h_k, state)
+        return self.project(z), state
+
+
+class GatedMarkovHead(VanillaMarkovHead):
+    head_type = "gated"
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)  # [h; e] -> gate
+
+    def _latent_step(self, e, h_k, state):
+        gate = torch.sigmoid(self.gate_proj(torch.cat([h_k.to(e.dtype), e], dim=-1)))
+        return gate * e, state
+
+    def latent(self, prev, h):
+        return self._latent_step(self.prev_embed(prev), h, None)[0]
+
+
+class RNNMarkovHead(VanillaMarkovHead):
+    head_type = "rnn"
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [s; e; h] -> [gate; cand; out]
+
+    def init_state(self, batch: int, device=None, dtype=None) -> torch.Tensor:
+        return torch.zeros(batch, self.rank, device=device, dtype=dtype or self.markov_w1.weight.dtype)
+
+    def _latent_step(self, e, h_k, state):
+        if state is None:
+            state = torch.zeros_like(e)
+        g, c, o = self.joint_proj(torch.cat([state, e, h_k.to(e.dtype)], dim=-1)).chunk(3, dim=-1)
+        g = torch.sigmoid(g)
+        new_state = g * state + (1.0 - g) * torch.tanh(c)
+        return torch.tanh(o), new_state
+
+    def latent(self, prev, h):
+        e = self.prev_embed(prev)  # [..., γ, r]
+        state = torch.zeros_like(e[..., 0, :])
+        zs = []
+        for k in range(e.shape[-2]):  # γ steps, vectorised over all blocks
+            z, state = self._latent_step(e[..., k, :], h[..., k, :], state)
+            zs.append(z)
+        return torch.stack(zs, dim=-2)
+
+
+HEADS = {"vanilla": VanillaMarkovHead, "gated": GatedMarkovHead, "rnn": RNNMarkovHead}
+
+
+def build_sequential_head(cfg) -> nn.Module:
+    """cfg: DrafterConfig."""
+    if cfg.markov_rank == 0:
+        return NoHead()
+    return HEADS[cfg.markov_head_type](cfg.vocab_size, cfg.draft_vocab_size, cfg.markov_rank, cfg.hidden_size)
