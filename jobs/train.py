@@ -1,0 +1,64 @@
+"""Stage 3 - train the DSpark (or DFlash baseline) drafter with Ray Train on the stage-2 hidden states.
+
+TorchTrainer runs pipeline.training.train_loop_per_worker on --workers CPU workers (gloo all-reduce of the
+gradients), reading samples from the disk store or Mooncake through the same interface.  Writes to --out:
+metrics.jsonl, loss_curve.png, Ray Train checkpoints (every --checkpoint-every steps and at the end; --resume
+continues from the latest with identical optimizer/scheduler state), plan.json (draft vocabulary, split) and the
+exported drafter checkpoint `drafter/` (speculators / vLLM `method: dspark` format)."""
+from __future__ import annotations
+
+import json
+
+from pipeline.runtime import apply_env
+
+
+def main(argv=None):
+    apply_env()
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipeline.config_cli import parse_config
+    from pipeline.runtime import init_ray
+    from pipeline.shards import atomic_write_json
+    from pipeline.training import TrainConfig, latest_checkpoint, plan, plot_metrics, train_loop_per_worker
+
+    cfg = parse_config(TrainConfig, argv, description=__doc__)
+    cfg.out, cfg.data = cfg.out.resolve(), cfg.data.resolve()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    resume_from = None
+    if cfg.resume:
+        resume_from = latest_checkpoint(cfg.out)
+        if resume_from is None:
+            raise SystemExit(f"--resume: no checkpoint under {cfg.out}/ray")
+        print(f"[train] resuming from {resume_from}")
+    else:  # a fresh run: fresh log, and no Ray Train run state to auto-restore from
+        import shutil
+
+        (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(cfg.out / "ray", ignore_errors=True)
+    ray = init_ray(cfg.address)
+    p = plan(cfg)
+    print(f"[train] {len(p['train_ids'])} training / {len(p['holdout_ids'])} held-out samples, "
+          f"{p['total_steps']} steps; {p['draft_vocab_report']}")
+    atomic_write_json(cfg.out / "plan.json", {k: v for k, v in p.items() if k != "train"} | {"config": p["train"]})
+    resources = json.loads(cfg.worker_resources) if cfg.worker_resources else None
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=p | {"resume_from": str(resume_from) if resume_from else None},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=False,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **(resources or {})}),
+        run_config=RunConfig(name="train", storage_path=str(cfg.out / "ray"),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    result = trainer.fit()
+    if result.error:
+        raise result.error
+    plot_metrics(cfg.out / "metrics.jsonl", cfg.out / "loss_curve.png")
+    print(f"[train] done: drafter at {cfg.out / 'drafter'}, metrics {cfg.out / 'metrics.jsonl'}, "
+          f"curve {cfg.out / 'loss_curve.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
