@@ -2,7 +2,8 @@
 
     <folder>/config.json         speculators config ("speculators_model_type": "dspark", no top-level model_type)
     <folder>/model.safetensors   fc, hidden_norm, layers.N.*, norm, markov_head.*, confidence_head.proj.* (fp32),
-                                 lm_head.weight + d2t only when V_d < V; embed_tokens never (shared with the target)
+                                 lm_head.weight + d2t + t2d only when V_d < V; embed_tokens never (shared with the
+                                 target)
 
 Our own extras live under config["dspark_ray"] (drafter kind, STS temperatures, context window, ...); vLLM ignores
 them.  vLLM implements only the vanilla Markov head: gated / RNN checkpoints load with `load_drafter` but NOT in
@@ -191,7 +192,17 @@ def checkpoint_tensors(drafter: DSparkDrafter, dtype: torch.dtype = torch.bfloat
         out[name] = t.detach().to("cpu", torch.float32 if keep_fp32 else dtype).contiguous().clone()
     if not cfg.full_vocab:
         out["d2t"] = d2t_from_draft_ids(drafter.draft_ids.cpu()).contiguous()
+        # speculators' from_pretrained needs t2d (bool [V]) for a reduced vocab: it is a registered buffer there, and
+        # without it the buffer stays uninitialised and re-selecting the verifier lm_head rows fails; vLLM skips it
+        out["t2d"] = _t2d_mask(drafter.draft_ids.cpu(), cfg.vocab_size)
     return out
+
+
+def _t2d_mask(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """speculators' t2d: bool [V], True at the target ids that are in the draft vocabulary."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids.long()] = True
+    return t2d
 
 
 def export_checkpoint(drafter: DSparkDrafter, path, verifier_name_or_path: str = "", verifier_architectures=None,
@@ -334,7 +345,10 @@ def load_drafter(path, target, dtype: torch.dtype = torch.float32, device="cpu",
             model.set_draft_vocab(draft_ids_from_d2t(d2t))
         except ValueError as e:
             raise CheckpointError(f"{path}: invalid d2t: {e}") from None
-    tensors.pop("t2d", None)  # optional, derived
+    t2d = tensors.pop("t2d", None)  # optional (older exports lack it), derived from d2t: must agree
+    if t2d is not None and not torch.equal(t2d.bool().flatten(), _t2d_mask(model.draft_ids.cpu(), cfg.vocab_size)):
+        raise CheckpointError(f"{path}: t2d does not match d2t (expected a bool [{cfg.vocab_size}] mask of the "
+                              f"{cfg.draft_vocab_size} draft-vocabulary target ids)")
 
     expected = {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")
                 and not (cfg.full_vocab and k.startswith("lm_head."))}

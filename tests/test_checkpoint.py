@@ -91,7 +91,7 @@ def test_export_format(tmp_path, target, nd):
             "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
             "mlp.down_proj")}
     if nd < V:
-        expected |= {"lm_head.weight", "d2t"}
+        expected |= {"lm_head.weight", "d2t", "t2d"}
         d2t = load_file(str(p / "model.safetensors"))["d2t"]
         assert d2t.dtype == torch.int64 and torch.equal(torch.arange(nd) + d2t, m.draft_ids)
     assert names == expected
