@@ -42,26 +42,57 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         out = torch.zeros_like(logits)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return out
-    logits = logits / params.temperature
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
     V = logits.shape[-1]
     if 0 < params.top_k < V:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        vals, idx = torch.topk(logits, params.top_k, dim=-1)  # sorted, descending
+        kth = vals[..., -1:]
+        if bool(((logits >= kth).sum(-1) == params.top_k).all()):
+            # no ties at the k-th value: the survivors are exactly `idx`; finish on the k candidates only
+            return _finish_sorted(logits, vals, idx, params.top_p)
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties at the k-th value are all kept
     if params.top_p < 1.0:
+        k = min(V, TOP_P_CANDIDATES)
+        if k < V:
+            vals, idx = torch.topk(logits, k, dim=-1)
+            sp = (vals - torch.logsumexp(logits, -1, keepdim=True)).exp()  # probs under the full softmax
+            if bool((sp.sum(-1) >= params.top_p).all()):
+                # the nucleus lies inside the top-k candidates: same result as the full sort, without it
+                return _finish_sorted(logits, vals, idx, params.top_p, sp)
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # keep the smallest prefix whose mass reaches top_p (always keep the first token)
-        cum = sorted_probs.cumsum(-1)
-        drop_sorted = (cum - sorted_probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        return _finish_sorted(logits, sorted_logits, idx, params.top_p)
     return logits.softmax(-1)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs [..., V] fp32 -> token ids [...] (int64).  Inverse-CDF with one uniform per row (reproducible)."""
+TOP_P_CANDIDATES = 1024  # the nucleus is first searched among this many top logits (exact; see probs_from_logits)
+
+
+def _finish_sorted(logits: torch.Tensor, vals: torch.Tensor, idx: torch.Tensor, top_p: float,
+                   sp: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities that are zero outside the candidates ``idx`` (with logits ``vals``, sorted descending, holding
+    every token that can survive); top-p keeps the smallest prefix whose mass reaches top_p (always the first).
+    ``sp``: the candidates' probabilities under the distribution top-p applies to (default: softmax over vals)."""
+    if top_p < 1.0:
+        sp = vals.softmax(-1) if sp is None else sp
+        keep = (sp.cumsum(-1) - sp) < top_p
+        vals = vals.masked_fill(~keep, float("-inf"))
+    return torch.zeros_like(logits).scatter_(-1, idx, vals.softmax(-1))
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None,
+                      u: torch.Tensor | None = None) -> torch.Tensor:
+    """probs [..., V] fp32 -> token ids [...] (int64).  Inverse-CDF with one uniform per row (reproducible).
+
+    ``u``: optional pre-drawn uniforms in [0, 1), one per row (shape [...] or [rows]); lets a batch whose rows belong
+    to requests with their own generators be sampled in one call.
+    """
     flat = probs.reshape(-1, probs.shape[-1])
-    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64)
+    if u is None:
+        u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64,
+                       device=generator.device if generator is not None else flat.device).to(flat.device)
+    else:
+        u = u.reshape(-1, 1).to(dtype=torch.float64, device=flat.device)
     cdf = flat.double().cumsum(-1)
     cdf = cdf / cdf[:, -1:]
     idx = torch.searchsorted(cdf, u).clamp_max(flat.shape[-1] - 1)

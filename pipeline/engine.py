@@ -1,0 +1,506 @@
+"""SpeculativeEngine: batched speculative decoding with a DSpark / DFlash drafter (or none) over a TargetRunner.
+
+One ``step()`` = one round for every active request:
+  1. new requests are prefilled (their first token is sampled from the target, DSPARK.md §6.1) -- in the same target
+     forward as the others' verification;
+  2. the drafter proposes γ drafts for every decoding request from its anchor (the last emitted token, the only
+     emitted token not yet in the target's KV cache);
+  3. the scheduler picks a depth L_r per request (capped by the remaining token budget and the cache);
+  4. ONE target forward scores [x_0, x_1..x_{L_r}] for all requests (ragged);
+  5. the rejection sampler accepts m_r drafts and emits one target token (residual or bonus);
+  6. caches roll back to the accepted prefix (target: n + m + 1 tokens; the drafter gets the aux hidden states of
+     [x_0..x_m] at positions n..n+m), tokens are appended with stop handling (EOS ids, stop strings, max_tokens --
+     nothing past a stop is ever emitted, accepted drafts after an EOS are discarded).
+Requests may join (``add_request``) or leave (``abort``) between steps.  Without a drafter the same loop is the
+plain autoregressive baseline (depth 0, one token per request per forward).
+
+Drafter contract (pipeline/drafter.py): ``new_state()``, ``extend_context(state, aux_hidden [n, n_aux*d],
+start_pos)``, ``propose(states, anchors LongTensor[B], params, generator) -> DraftProposal(tokens [B, γ] target ids,
+q [B, γ, V_d] fp32, conf_logits [B, γ] | None, draft_ids [V_d])``, ``config`` (or nn.Module ``cfg``) with
+``block_size`` and ``aux_layer_ids``; optional ``extend_contexts`` (batched) and ``free_state(state)``.
+Requests are grouped by draft SamplingParams for ``propose``; a seeded request is proposed alone with its own
+generator so its output does not depend on the batch.  Not thread-safe: drive it from one thread (or one actor).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from pipeline.rejection_sampler import RejectionSampler
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import CostTable, VerificationScheduler, make_scheduler
+
+METHODS = ("dspark", "dflash", None)
+
+
+@dataclass
+class SpecConfig:
+    """vLLM-style ``speculative_config`` plus the scheduler choice."""
+
+    method: str | None = None  # 'dspark' | 'dflash' | None (no speculation)
+    model: str | None = None  # drafter checkpoint folder (used when no drafter object is passed)
+    num_speculative_tokens: int | None = None  # <= drafter block size γ; None -> γ
+    draft_sample_method: str = "probabilistic"  # 'greedy' | 'probabilistic'
+    rejection_sample_method: str = "standard"  # 'standard' | 'block'
+    scheduler: str | VerificationScheduler = "fixed"  # 'fixed' | 'threshold' | 'hardware' | 'async' | instance
+    confidence_threshold: float = 0.0  # StaticThreshold θ
+    cost_table: CostTable | str | None = None  # SPS(B) for 'hardware' / 'async' (object or JSON path)
+    # per-position STS temperatures applied by the scheduler -- ONLY for drafters that return raw confidence logits
+    # (pipeline.drafter.DSparkDrafter applies its config's sts_temperatures itself: leave None there)
+    sts_temperatures: list | None = None
+    async_lag: int = 2
+    seed: int = 0  # engine RNG for requests without their own seed
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {self.draft_sample_method!r}")
+        if self.rejection_sample_method not in ("standard", "block"):
+            raise ValueError("rejection_sample_method must be 'standard' or 'block'")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpecConfig":
+        if d is None:
+            return cls()
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass
+class RequestStats:
+    """Per-request speculation statistics (DSPARK.md §6 / §9).  A 'round' is one verification after the prefill."""
+
+    gamma: int = 0
+    rounds: int = 0
+    proposed: int = 0  # drafts proposed (γ per round)
+    verified: int = 0  # Σ L (drafts sent to the target)
+    accepted: int = 0  # Σ m (accepted drafts, before stop truncation)
+    emitted: int = 0  # tokens appended by rounds (m+1, or up to and including a stop) -- τ's numerator
+    verified_at: list = field(default_factory=list)  # [k]: rounds that verified draft k+1
+    accepted_at: list = field(default_factory=list)  # [k]: rounds whose first k+1 drafts were all accepted
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def acceptance_rate(self) -> list:
+        """accept_rate@k = P(first k+1 drafts accepted | >= k+1 verified) (cumulative, as DeepSpec)."""
+        return [a / v if v else None for a, v in zip(self.accepted_at, self.verified_at)]
+
+    def merge(self, other: "RequestStats") -> "RequestStats":
+        n = max(len(self.verified_at), len(other.verified_at))
+        pad = lambda x: list(x) + [0] * (n - len(x))  # noqa: E731
+        return RequestStats(max(self.gamma, other.gamma), self.rounds + other.rounds, self.proposed + other.proposed,
+                            self.verified + other.verified, self.accepted + other.accepted,
+                            self.emitted + other.emitted,
+                            [a + b for a, b in zip(pad(self.verified_at), pad(other.verified_at))],
+                            [a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))])
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tau"] = self.tau
+        d["acceptance_rate"] = self.acceptance_rate()
+        return d
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list
+    output_ids: list  # all generated ids so far (EOS included when it ended the request)
+    new_ids: list  # ids appended during the last step
+    finished: bool
+    finish_reason: str | None  # 'stop' | 'length' | 'abort'
+    stop_reason: int | str | None  # the EOS id or stop string that ended the request
+    text: str | None  # decoded output (stop string excluded) once finished, when a tokenizer is set
+    stats: RequestStats
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list
+    params: SamplingParams
+    max_tokens: int
+    stop: list
+    stop_ids: frozenset
+    generator: torch.Generator | None
+    slot: int = -1
+    draft_state: object = None
+    prefilled: bool = False
+    output_ids: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: object = None
+    stop_window: int = 0
+    text: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    arrival: int = 0
+
+
+@dataclass
+class EngineTimers:
+    steps: int = 0
+    draft_s: float = 0.0
+    schedule_s: float = 0.0
+    target_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Engine time outside drafting, scheduling, the target forward and the rejection sampler."""
+        return self.total_s - self.draft_s - self.schedule_s - self.target_s - self.verify_s
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["overhead_s"] = self.overhead_s
+        return d
+
+
+def _load_drafter(spec: SpecConfig, target):
+    """spec.model (an exported drafter folder) -> drafter, re-attached to the target's frozen embedding / LM head."""
+    from pipeline.checkpoint import load_drafter
+
+    source = getattr(target, "source", None)
+    if source is None:
+        raise ValueError("loading spec_config.model needs a TargetRunner built from an HF folder "
+                         "(TargetRunner.from_pretrained(path)); otherwise pass the drafter object")
+    return load_drafter(spec.model, source, dtype=target.dtype, device=target.device)
+
+
+def drafter_config(drafter):
+    """The drafter's config (``.config``, or ``.cfg`` for nn.Module drafters)."""
+    cfg = getattr(drafter, "config", None)
+    if cfg is None or not hasattr(cfg, "block_size"):
+        cfg = getattr(drafter, "cfg", None)
+    if cfg is None or not hasattr(cfg, "block_size") or not hasattr(cfg, "aux_layer_ids"):
+        raise TypeError("drafter needs a config with block_size and aux_layer_ids")
+    return cfg
+
+
+class SpeculativeEngine:
+    def __init__(self, target_runner, drafter=None, spec_config: SpecConfig | dict | None = None, tokenizer=None,
+                 eos_token_ids: Iterable[int] | None = None, max_model_len: int | None = None):
+        self.target = target_runner
+        self.spec = spec_config if isinstance(spec_config, SpecConfig) else SpecConfig.from_dict(spec_config)
+        if drafter is None and self.spec.method is not None:
+            if not self.spec.model:
+                raise ValueError(f"method {self.spec.method!r} needs a drafter object or spec_config.model")
+            drafter = _load_drafter(self.spec, target_runner)
+        if self.spec.method is None:
+            drafter = None
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = list(getattr(target_runner.config, "eos_token_ids", []) or [])
+            if not eos_token_ids and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+                eos_token_ids = [tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.max_model_len = min(int(max_model_len or target_runner.max_seq_len), int(target_runner.max_seq_len))
+        if drafter is not None:
+            dcfg = drafter_config(drafter)
+            g = int(dcfg.block_size)
+            k = self.spec.num_speculative_tokens
+            if k is not None and not 1 <= k <= g:
+                raise ValueError(f"num_speculative_tokens {k} outside [1, block_size {g}]")
+            self.gamma = g
+            self.depth_cap = g if k is None else int(k)
+            self.aux_layer_ids = list(dcfg.aux_layer_ids)
+        else:
+            self.gamma = self.depth_cap = 0
+            self.aux_layer_ids = []
+        self.scheduler = make_scheduler(self.spec.scheduler, num_speculative_tokens=self.depth_cap,
+                                        cost_table=self.spec.cost_table, threshold=self.spec.confidence_threshold,
+                                        temperatures=self.spec.sts_temperatures, lag=self.spec.async_lag)
+        self.sampler = RejectionSampler(self.spec.rejection_sample_method)
+        self.generator = torch.Generator().manual_seed(int(self.spec.seed))
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.timers = EngineTimers()
+        self.finished_stats = RequestStats()
+
+    # ------------------------------------------------------------------ request management
+    def add_request(self, prompt, params: SamplingParams | None = None, max_tokens: int = 16,
+                    stop: Sequence[str] | str | None = None, stop_token_ids: Iterable[int] | None = None,
+                    ignore_eos: bool = False, request_id: str | None = None) -> str:
+        """Queue a request (prefilled at the next ``step``).  ``prompt``: token ids, or a string (needs a tokenizer).
+        EOS ids (engine's, unless ignore_eos) and ``stop_token_ids`` end the request with the id kept in output_ids;
+        ``stop`` strings end it with the string cut from ``text``."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompt needs a tokenizer")
+            prompt = self.tokenizer.encode(prompt)
+        prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.max_model_len}")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid}")
+        ids = set() if ignore_eos else set(self.eos_token_ids)
+        ids |= {int(t) for t in (stop_token_ids or [])}
+        gen = torch.Generator().manual_seed(int(params.seed)) if params.seed is not None else None
+        req = _Request(rid, prompt, params, int(max_tokens), stop, frozenset(ids), gen,
+                       stop_window=(4 * max(len(s) for s in stop) + 4) if stop else 0,
+                       stats=RequestStats(gamma=self.depth_cap, verified_at=[0] * self.depth_cap,
+                                          accepted_at=[0] * self.depth_cap),
+                       arrival=next(self._arrivals))
+        req.slot = self.target.alloc()
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.finished, req.finish_reason = True, "abort"
+        self._release(req)
+        return self._output(req, [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_active(self) -> int:
+        return len(self.requests)
+
+    def _release(self, req: _Request) -> None:
+        if req.slot >= 0:
+            self.target.free(req.slot)
+            req.slot = -1
+        if req.draft_state is not None:
+            free = getattr(self.drafter, "free_state", None)
+            if free is not None:
+                free(req.draft_state)
+            req.draft_state = None
+
+    # ------------------------------------------------------------------ one round
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One round for every active request.  Returns an output for each request that got tokens or finished;
+        finished requests are removed (their caches freed)."""
+        t_start = time.perf_counter()
+        reqs = sorted(self.requests.values(), key=lambda r: r.arrival)
+        if not reqs:
+            return []
+        prefill = [r for r in reqs if not r.prefilled]
+        decode = [r for r in reqs if r.prefilled]
+        T = self.target
+
+        # --- draft + schedule ---------------------------------------------------------------------------------
+        depths: dict[str, int] = {}
+        prop_tokens = prop_q = draft_ids = None
+        q_row: dict[str, int] = {}
+        max_depth = {}
+        for r in decode:
+            md = min(self.depth_cap, r.max_tokens - len(r.output_ids) - 1, self.max_model_len - T.length(r.slot) - 1)
+            max_depth[r.request_id] = max(0, md)
+            depths[r.request_id] = 0
+        spec = [r for r in decode if max_depth[r.request_id] > 0] if self.drafter is not None else []
+        if spec:
+            t0 = time.perf_counter()
+            prop_tokens, prop_q, conf, draft_ids, q_row = self._propose(spec)
+            t1 = time.perf_counter()
+            self.timers.draft_s += t1 - t0
+            conf_rows = None
+            if conf is not None:
+                conf_rows = conf[torch.tensor([q_row[r.request_id] for r in spec])][:, :self.depth_cap]
+            ds = self.scheduler.schedule(conf_rows, [max_depth[r.request_id] for r in spec])
+            for r, d in zip(spec, ds):
+                depths[r.request_id] = int(min(d, max_depth[r.request_id]))
+            self.timers.schedule_s += time.perf_counter() - t1
+
+        # --- one target forward -------------------------------------------------------------------------------
+        batch = prefill + decode
+        slots, inputs, nlog, starts = [], [], [], []
+        tok_cpu = prop_tokens.tolist() if prop_tokens is not None else None
+        for r in prefill:
+            slots.append(r.slot)
+            inputs.append(r.prompt_ids)
+            nlog.append(1)
+            starts.append(0)
+        for r in decode:
+            L = depths[r.request_id]
+            x0 = r.output_ids[-1]
+            slots.append(r.slot)
+            inputs.append([x0] + (tok_cpu[q_row[r.request_id]][:L] if L else []))
+            nlog.append(L + 1)
+            starts.append(T.length(r.slot))
+        t0 = time.perf_counter()
+        out = T.forward(slots, inputs, logits_last=nlog, aux_layer_ids=self.aux_layer_ids)
+        t1 = time.perf_counter()
+        self.timers.target_s += t1 - t0
+
+        # --- accept / reject ----------------------------------------------------------------------------------
+        dlist = [0] * len(prefill) + [depths[r.request_id] for r in decode]
+        rows = [-1] * len(prefill) + [q_row.get(r.request_id, -1) for r in decode]
+        res = self.sampler(out.logits, out.logit_offsets, prop_tokens, dlist, prop_q, draft_ids,
+                           [r.params for r in batch], [r.generator or self.generator for r in batch], q_rows=rows)
+        self.timers.verify_s += time.perf_counter() - t1
+
+        # --- commit -------------------------------------------------------------------------------------------
+        outputs = []
+        ext_states, ext_aux, ext_pos = [], [], []
+        for i, r in enumerate(batch):
+            m, toks = res.num_accepted[i], res.tokens[i]
+            is_prefill = i < len(prefill)
+            n = starts[i]
+            if is_prefill:
+                r.prefilled = True
+                emitted = self._append(r, toks)
+            else:
+                L = dlist[i]
+                st = r.stats
+                st.rounds += 1
+                st.proposed += self.gamma if r.request_id in q_row else 0
+                st.verified += L
+                st.accepted += m
+                for k in range(L):
+                    st.verified_at[k] += 1
+                for k in range(m):
+                    st.accepted_at[k] += 1
+                emitted = self._append(r, toks)
+                st.emitted += len(emitted)
+            if r.finished:
+                self._release(r)
+                del self.requests[r.request_id]
+                self.finished_stats = self.finished_stats.merge(r.stats)
+            else:
+                # target cache keeps the verified prefix [x_0..x_m]; the new anchor (last token) is not cached yet
+                keep = len(r.prompt_ids) if is_prefill else n + m + 1
+                T.truncate(r.slot, keep)
+                if self.drafter is not None:
+                    if r.draft_state is None:
+                        r.draft_state = self.drafter.new_state()
+                    aux = out.aux_of(i)
+                    ext_states.append(r.draft_state)
+                    ext_aux.append(aux if is_prefill else aux[:m + 1])
+                    ext_pos.append(n)
+            outputs.append(self._output(r, emitted))
+        if ext_states:
+            t2 = time.perf_counter()
+            if hasattr(self.drafter, "extend_contexts"):  # one batched pass (pipeline.drafter.DSparkDrafter)
+                self.drafter.extend_contexts(ext_states, ext_aux, ext_pos)
+            else:
+                for st, a, p in zip(ext_states, ext_aux, ext_pos):
+                    self.drafter.extend_context(st, a, p)
+            self.timers.draft_s += time.perf_counter() - t2
+        self.timers.steps += 1
+        self.timers.total_s += time.perf_counter() - t_start
+        return outputs
+
+    def _propose(self, decode: list[_Request]):
+        """Group requests by draft sampling params (seeded requests alone, with their own generator)."""
+        groups: dict = {}
+        for r in decode:
+            dp = self._draft_params(r.params)
+            key = (dp, id(r.generator)) if r.generator is not None else (dp, None)
+            groups.setdefault(key, []).append(r)
+        toks, qs, confs, q_row = [], [], [], {}
+        draft_ids = None
+        has_conf = True
+        o = 0
+        for (dp, _), rs in groups.items():
+            for r in rs:
+                if r.draft_state is None:  # defensive: a request always has a state after its prefill
+                    r.draft_state = self.drafter.new_state()
+            anchors = torch.tensor([r.output_ids[-1] for r in rs], dtype=torch.long)
+            gen = rs[0].generator or self.generator
+            p = self.drafter.propose([r.draft_state for r in rs], anchors, dp, gen)
+            toks.append(p.tokens)
+            qs.append(p.q)
+            if p.conf_logits is None:
+                has_conf = False
+            confs.append(p.conf_logits)
+            draft_ids = p.draft_ids
+            for j, r in enumerate(rs):
+                q_row[r.request_id] = o + j
+            o += len(rs)
+        cat = (lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs))  # noqa: E731
+        tokens = cat(toks).cpu()
+        q = None if any(x is None for x in qs) else cat(qs)
+        conf = cat(confs).float().cpu() if has_conf else None
+        return tokens, q, conf, draft_ids, q_row
+
+    def _draft_params(self, p: SamplingParams) -> SamplingParams:
+        if p.greedy or self.spec.draft_sample_method == "greedy":
+            return SamplingParams(temperature=0.0)
+        return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+
+    # ------------------------------------------------------------------ stop handling
+    def _append(self, r: _Request, toks: list) -> list:
+        """Append tokens one by one; stop at EOS / stop id (kept), stop string (kept in ids, cut from text),
+        max_tokens.  Returns the appended tokens."""
+        appended = []
+        for t in toks:
+            r.output_ids.append(int(t))
+            appended.append(int(t))
+            if t in r.stop_ids:
+                r.finished, r.finish_reason, r.stop_reason = True, "stop", int(t)
+                break
+            if r.stop:
+                s = self._stop_string(r)
+                if s is not None:
+                    r.finished, r.finish_reason, r.stop_reason = True, "stop", s
+                    break
+            if len(r.output_ids) >= r.max_tokens:
+                r.finished, r.finish_reason = True, "length"
+                break
+            if len(r.prompt_ids) + len(r.output_ids) >= self.max_model_len:
+                r.finished, r.finish_reason = True, "length"
+                break
+        return appended
+
+    def _stop_string(self, r: _Request):
+        tail = self.tokenizer.decode(r.output_ids[-r.stop_window:], skip_special_tokens=True)
+        for s in r.stop:
+            if s in tail:
+                return s
+        return None
+
+    def _output(self, r: _Request, new_ids: list) -> RequestOutput:
+        text = None
+        if r.finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            if r.finish_reason == "stop" and isinstance(r.stop_reason, str):
+                k = text.find(r.stop_reason)
+                if k >= 0:
+                    text = text[:k]
+            r.text = text
+        return RequestOutput(r.request_id, r.prompt_ids, list(r.output_ids), list(new_ids), r.finished,
+                             r.finish_reason, r.stop_reason, text, r.stats)
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 max_tokens: int | Sequence[int] = 16, stop=None, stop_token_ids=None,
+                 ignore_eos: bool = False) -> list[RequestOutput]:
+        """Run the given prompts to completion (batched, together with anything already queued); outputs in order."""
+        n = len(prompts)
+        ps = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * n
+        mts = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * n
+        ids = [self.add_request(p, ps[i], mts[i], stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+               for i, p in enumerate(prompts)]
+        want = set(ids)
+        done: dict[str, RequestOutput] = {}
+        while want - set(done):
+            for o in self.step():
+                if o.finished and o.request_id in want:
+                    done[o.request_id] = o
+        return [done[i] for i in ids]

@@ -1,0 +1,489 @@
+"""The target side of speculative decoding, in plain PyTorch (CPU; CUDA when present).
+
+A gpt-fast-style forward for Llama-family HF checkpoints (``llama``, ``qwen2``, ``qwen3``, ``mistral``) with its own
+slot-based KV cache:
+
+* a BATCH of requests, each with its own cache length, runs in ONE forward; each request brings its own number of new
+  tokens (a prompt to prefill, or ``[anchor, x_1..x_L]`` to verify).  The projections / MLP run on the flattened
+  ``[N, d]`` tokens; only attention is padded to ``[R, T_max]`` queries x ``[R, K_max]`` keys with an exact mask
+  (causal by absolute position, sliding window where the checkpoint has one);
+* KV rollback to the accepted prefix is ``truncate(slot, new_len)`` (O(1): stale entries are masked and overwritten);
+* returns fp32 logits for the requested trailing tokens of every request (the LM head runs in fp32 by default, so the
+  acceptance test always sees fp32 probabilities even when the body computes in bf16) and the hidden states of the
+  chosen aux layer ids for all new tokens.
+
+Layer-id convention (vLLM ``aux_hidden_state_layer_ids``): id k is the residual stream after k decoder layers; 0 is the
+embedding output, id L (= num layers) the last layer's output BEFORE the final norm.  For k < L this is transformers'
+``output_hidden_states[k]``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use bfloat16 or float32") from None
+
+
+@dataclass
+class TargetConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qk_norm: bool
+    sliding_windows: list  # per layer: None or window size
+    max_position_embeddings: int
+    eos_token_ids: list = field(default_factory=list)
+
+
+@dataclass
+class TargetOutput:
+    """Result of one ragged forward.
+
+    logits: fp32 [M, V], the logits rows of every request in order (request r owns rows logit_offsets[r]:[r+1]),
+      row i predicts the token AFTER the i-th of that request's returned positions.
+    aux_hidden: [N, n_aux * d] (compute dtype) for ALL new tokens, request r owns rows token_offsets[r]:[r+1]; None
+      when no aux ids were asked for.
+    """
+
+    logits: torch.Tensor
+    logit_offsets: list
+    aux_hidden: torch.Tensor | None
+    token_offsets: list
+
+    def logits_of(self, r: int) -> torch.Tensor:
+        return self.logits[self.logit_offsets[r]:self.logit_offsets[r + 1]]
+
+    def aux_of(self, r: int) -> torch.Tensor | None:
+        if self.aux_hidden is None:
+            return None
+        return self.aux_hidden[self.token_offsets[r]:self.token_offsets[r + 1]]
+
+
+class _Layer:
+    __slots__ = ("ln1", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd", "window")
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm, bit for bit: fp32 statistics, cast back, then scale.
+    dt = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class TargetRunner:
+    """Llama-family forward with a batched, ragged, roll-back-able KV cache.
+
+    Use: ``slot = runner.alloc()``; ``out = runner.forward([slot, ...], [ids, ...], logits_last=[k, ...],
+    aux_layer_ids=[...])``; ``runner.truncate(slot, n)``; ``runner.free(slot)``.
+    """
+
+    def __init__(self, hf_model, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
+                 fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
+                 init_len: int = 256):
+        self.dtype = as_dtype(dtype)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        hf_cfg = hf_model.config
+        hf_cfg = getattr(hf_cfg, "text_config", None) or hf_cfg
+        mt = getattr(hf_cfg, "model_type", "llama")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        act = getattr(hf_cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} not supported (SwiGLU with silu only)")
+        H, KVH = hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads
+        hd = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // H
+        L = hf_cfg.num_hidden_layers
+        sw = getattr(hf_cfg, "sliding_window", None)
+        layer_types = getattr(hf_cfg, "layer_types", None)
+        if mt == "mistral":
+            windows = [sw] * L
+        elif layer_types is not None:
+            windows = [sw if t == "sliding_attention" else None for t in layer_types]
+        else:
+            windows = [None] * L
+        eos = []
+        gen_cfg = getattr(hf_model, "generation_config", None)
+        for src in (getattr(gen_cfg, "eos_token_id", None), getattr(hf_cfg, "eos_token_id", None)):
+            if src is None:
+                continue
+            for e in (src if isinstance(src, (list, tuple)) else [src]):
+                if int(e) not in eos:
+                    eos.append(int(e))
+        self.config = TargetConfig(
+            model_type=mt, vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size, num_layers=L,
+            num_heads=H, num_kv_heads=KVH, head_dim=hd, intermediate_size=hf_cfg.intermediate_size,
+            rms_norm_eps=hf_cfg.rms_norm_eps, qk_norm=(mt == "qwen3"), sliding_windows=windows,
+            max_position_embeddings=getattr(hf_cfg, "max_position_embeddings", 1 << 20), eos_token_ids=eos)
+        self.hf_config = hf_cfg
+        self.max_seq_len = int(max_seq_len or self.config.max_position_embeddings)
+
+        dev, dt = self.device, self.dtype
+
+        def P(t):  # parameter -> compute dtype on device
+            return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
+
+        base = hf_model.model if hasattr(hf_model, "model") else hf_model
+        self.embed = P(base.embed_tokens.weight)
+        self.layers: list[_Layer] = []
+        for i, blk in enumerate(base.layers):
+            at, mlp = blk.self_attn, blk.mlp
+            ly = _Layer()
+            ly.ln1 = P(blk.input_layernorm.weight)
+            ly.wqkv = P(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight], 0))
+            ly.bqkv = (P(torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias], 0))
+                       if at.q_proj.bias is not None else None)
+            ly.q_norm = P(at.q_norm.weight) if self.config.qk_norm else None
+            ly.k_norm = P(at.k_norm.weight) if self.config.qk_norm else None
+            ly.wo, ly.bo = P(at.o_proj.weight), P(at.o_proj.bias)
+            ly.ln2 = P(blk.post_attention_layernorm.weight)
+            ly.wgu = P(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0))
+            ly.bgu = (P(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias], 0))
+                      if getattr(mlp.gate_proj, "bias", None) is not None else None)
+            ly.wd, ly.bd = P(mlp.down_proj.weight), P(getattr(mlp.down_proj, "bias", None))
+            ly.window = windows[i]
+            self.layers.append(ly)
+        self.norm = P(base.norm.weight)
+        head = hf_model.lm_head.weight if hasattr(hf_model, "lm_head") else base.embed_tokens.weight
+        self.head_dtype = torch.float32 if fp32_lm_head else dt
+        self.lm_head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
+        self.norm_head = self.norm.to(self.head_dtype)
+
+        # RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope scaling).
+        rot = getattr(base, "rotary_emb", None)
+        if rot is not None:
+            self._inv_freq = rot.inv_freq.detach().float().to(dev)
+            self._rope_scale = float(getattr(rot, "attention_scaling", 1.0))
+        else:
+            theta = getattr(hf_cfg, "rope_theta", 10000.0)
+            self._inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=dev) / hd))
+            self._rope_scale = 1.0
+        self._cos = self._sin = None
+        self._rope_len = 0
+        self._scale = hd ** -0.5
+
+        # KV cache: [layers, slots, max_len, kv_heads, head_dim]
+        self._n_slots = 0
+        self._cap = 0
+        self.k_cache = self.v_cache = None
+        self._ensure(init_slots, min(init_len, self.max_seq_len))
+        self.lengths: list[int] = [0] * self._n_slots
+        self._free: list[int] = list(range(self._n_slots - 1, -1, -1))
+        self._used: set[int] = set()
+        self.source: str | None = None  # the HF folder when built by from_pretrained(path)
+        # above this many padded attention scores per head (R * T_max * K_max) a ragged batch attends per request
+        self.max_padded_scores = 1 << 20
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, model_or_path, dtype: str | torch.dtype = "float32", device=None, **kw) -> "TargetRunner":
+        """From a transformers CausalLM instance or an HF folder (loaded with transformers, then converted)."""
+        if isinstance(model_or_path, (str, Path)):
+            from transformers import AutoModelForCausalLM
+
+            load_dtype = as_dtype(dtype)
+            m = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=load_dtype)
+            runner = cls(m, dtype=dtype, device=device, **kw)
+            runner.source = str(model_or_path)
+            del m
+            return runner
+        return cls(model_or_path, dtype=dtype, device=device, **kw)
+
+    # ------------------------------------------------------------------ cache management
+    def _ensure(self, n_slots: int, length: int) -> None:
+        if length > self.max_seq_len:
+            raise ValueError(f"sequence length {length} exceeds max_seq_len {self.max_seq_len}")
+        if n_slots <= self._n_slots and length <= self._cap:
+            return
+        new_slots = max(n_slots, self._n_slots)
+        if n_slots > self._n_slots:
+            new_slots = max(n_slots, 2 * self._n_slots)
+        new_cap = self._cap
+        if length > self._cap:
+            new_cap = min(self.max_seq_len, max(length, 2 * self._cap))
+        c = self.config
+        shape = (c.num_layers, new_slots, new_cap, c.num_kv_heads, c.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.k_cache is not None:
+            k[:, :self._n_slots, :self._cap] = self.k_cache
+            v[:, :self._n_slots, :self._cap] = self.v_cache
+        if hasattr(self, "lengths"):
+            self.lengths.extend([0] * (new_slots - self._n_slots))
+            self._free = list(range(new_slots - 1, self._n_slots - 1, -1)) + self._free
+        self.k_cache, self.v_cache = k, v
+        self._n_slots, self._cap = new_slots, new_cap
+
+    def alloc(self) -> int:
+        """A fresh, empty cache slot."""
+        if not self._free:
+            self._ensure(self._n_slots + 1, self._cap)
+        s = self._free.pop()
+        self.lengths[s] = 0
+        self._used.add(s)
+        return s
+
+    def free(self, slot: int) -> None:
+        if slot in self._used:
+            self._used.remove(slot)
+            self.lengths[slot] = 0
+            self._free.append(slot)
+
+    def length(self, slot: int) -> int:
+        return self.lengths[slot]
+
+    def truncate(self, slot: int, new_len: int) -> None:
+        """Roll the slot's KV cache back to its first ``new_len`` tokens."""
+        if not 0 <= new_len <= self.lengths[slot]:
+            raise ValueError(f"truncate slot {slot} to {new_len}: cache holds {self.lengths[slot]}")
+        self.lengths[slot] = new_len
+
+    def _rope(self, n: int):
+        if n > self._rope_len:
+            n = max(n, min(self.max_seq_len, 2 * self._rope_len, 1 << 20), 256)
+            pos = torch.arange(n, device=self.device, dtype=torch.float32)
+            freqs = pos[:, None] * self._inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), -1)
+            self._cos = (emb.cos() * self._rope_scale).to(self.dtype)
+            self._sin = (emb.sin() * self._rope_scale).to(self.dtype)
+            self._rope_len = n
+        return self._cos, self._sin
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], input_ids: Sequence, logits_last: Sequence[int] | int | None = None,
+                aux_layer_ids: Sequence[int] = (), commit: bool = True) -> TargetOutput:
+        """Append ``input_ids[r]`` (list/1-D tensor, >= 1 token) to slot ``slots[r]`` for every r, in ONE forward.
+
+        logits_last: per request, how many trailing new tokens get logits (None = all of them, int = same for all,
+          0 = none).  Prefill wants 1, verification of [anchor, x_1..x_L] wants L+1.
+        aux_layer_ids: vLLM-convention layer ids whose hidden states are returned for all new tokens, concatenated
+          in the given order along the feature axis.
+        commit: False leaves the cache lengths unchanged (a pure scoring forward; the written K/V are then stale).
+        """
+        c = self.config
+        slots = [int(x) for x in slots]
+        R = len(slots)
+        if R == 0:
+            raise ValueError("empty batch")
+        dev = self.device
+        ids_l = [x.tolist() if isinstance(x, torch.Tensor) else list(x) for x in input_ids]
+        ns = [len(x) for x in ids_l]
+        if min(ns) < 1:
+            raise ValueError("every request needs at least one new token")
+        starts = [self.lengths[s] for s in slots]
+        if len(set(slots)) != R:
+            raise ValueError("a slot appears twice in one batch")
+        if logits_last is None:
+            nl = ns
+        elif isinstance(logits_last, int):
+            nl = [min(logits_last, n) for n in ns]
+        else:
+            nl = [min(int(k), n) for k, n in zip(logits_last, ns)]
+        ends = [s + n for s, n in zip(starts, ns)]
+        Kmax, Tmax = max(ends), max(ns)
+        self._ensure(max(slots) + 1, Kmax)
+        cos_t, sin_t = self._rope(Kmax)
+        N = sum(ns)
+
+        # index bookkeeping in Python lists, moved to the device in one transfer
+        flat_ids, pos, slot_of, pad_idx, out_rows = [], [], [], [], []
+        tok_off, log_off = [0], [0]
+        o = 0
+        for r in range(R):
+            n, st, s = ns[r], starts[r], slots[r]
+            flat_ids.extend(ids_l[r])
+            pos.extend(range(st, st + n))
+            slot_of.extend([s] * n)
+            pad_idx.extend(range(r * Tmax, r * Tmax + n))
+            out_rows.extend(range(o + n - nl[r], o + n))
+            o += n
+            tok_off.append(o)
+            log_off.append(log_off[-1] + nl[r])
+        ragged = Tmax * R != N
+        M = len(out_rows)
+        meta = torch.tensor(flat_ids + pos + slot_of + (pad_idx if ragged else []) + out_rows,
+                            dtype=torch.long).to(dev, non_blocking=True)
+        ids_t, pos_t, slot_t = meta[:N], meta[N:2 * N], meta[2 * N:3 * N]
+        rest = meta[3 * N:]
+        pad_t = rest[:N] if ragged else None
+        rows_t = rest[N:] if ragged else rest
+
+        # Attention layout.  'padded': one SDPA over [R, Tmax] queries x [R, Kmax] keys with an exact mask (decode /
+        # verification batches).  'per_request': one SDPA per request (no padding) when padding would be large,
+        # e.g. a long prompt prefilled together with short verification blocks.
+        per_request = R > 1 and ragged and R * Tmax * Kmax > self.max_padded_scores
+        windows = {None if (ly.window is None or Kmax <= ly.window) else ly.window for ly in self.layers}
+        kidx = torch.arange(Kmax, device=dev)
+
+        def make_mask(qp: torch.Tensor, w):  # qp [..., T] absolute query positions -> bool [..., T, Kmax]
+            m = kidx <= qp[..., None]
+            return m & (kidx > qp[..., None] - w) if w is not None else m
+
+        if not per_request:
+            # key j visible to query t of request r iff j <= start_r + t (padded queries t >= n_r reuse the last real
+            # position: always >= 1 visible key; their outputs are dropped)
+            need_mask = not (R == 1 and Tmax == 1)
+            qpos = torch.tensor([[st + min(t, n - 1) for t in range(Tmax)] for st, n in zip(starts, ns)],
+                                dtype=torch.long).to(dev, non_blocking=True)
+            masks = {w: (make_mask(qpos, w).unsqueeze(1) if (need_mask or w is not None) else None) for w in windows}
+        else:
+            masks = {}
+            for w in windows:
+                per = []
+                for st, n in zip(starts, ns):
+                    if n == 1 and w is None:
+                        per.append(None)  # one query sees the whole (cropped) cache
+                    else:
+                        per.append(make_mask(torch.arange(st, st + n, device=dev), w)[None, None, :, :st + n])
+                masks[w] = per
+        layer_masks = [masks[None if (ly.window is None or Kmax <= ly.window) else ly.window] for ly in self.layers]
+
+        contiguous_slots = slots == list(range(slots[0], slots[0] + R))
+        slot_sel = None if contiguous_slots else torch.tensor(slots, dtype=torch.long, device=dev)
+        s0 = slots[0]
+
+        H, KVH, hd, d = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        eps = c.rms_norm_eps
+        cos = cos_t[pos_t].unsqueeze(1)  # [N, 1, hd]
+        sin = sin_t[pos_t].unsqueeze(1)
+        aux_ids = list(aux_layer_ids)
+        for a in aux_ids:
+            if not 0 <= a <= c.num_layers:
+                raise ValueError(f"aux layer id {a} outside [0, {c.num_layers}]")
+        aux_out = {}
+
+        x = self.embed[ids_t]  # [N, d]
+        if 0 in aux_ids:
+            aux_out[0] = x
+        gqa = H != KVH
+        for li, ly in enumerate(self.layers):
+            h = _rms_norm(x, ly.ln1, eps)
+            qkv = F.linear(h, ly.wqkv, ly.bqkv)
+            q = qkv[:, :H * hd].view(N, H, hd)
+            k = qkv[:, H * hd:(H + KVH) * hd].view(N, KVH, hd)
+            v = qkv[:, (H + KVH) * hd:].view(N, KVH, hd)
+            if ly.q_norm is not None:
+                q = _rms_norm(q, ly.q_norm, eps)
+                k = _rms_norm(k, ly.k_norm, eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[slot_t, pos_t] = k
+            vc[slot_t, pos_t] = v
+            if per_request:
+                outs = []
+                for r in range(R):
+                    a, b, e, sl = tok_off[r], tok_off[r + 1], ends[r], slots[r]
+                    o_r = F.scaled_dot_product_attention(
+                        q[a:b].transpose(0, 1)[None], kc[sl, :e].transpose(0, 1)[None],
+                        vc[sl, :e].transpose(0, 1)[None], attn_mask=layer_masks[li][r], scale=self._scale,
+                        enable_gqa=gqa)
+                    outs.append(o_r[0].transpose(0, 1).reshape(b - a, H * hd))
+                att = torch.cat(outs)
+            else:
+                if slot_sel is None:
+                    K = kc[s0:s0 + R, :Kmax]
+                    V = vc[s0:s0 + R, :Kmax]
+                else:
+                    K = kc[slot_sel, :Kmax]
+                    V = vc[slot_sel, :Kmax]
+                if ragged:
+                    qp = q.new_zeros(R * Tmax, H, hd)
+                    qp[pad_t] = q
+                    qp = qp.view(R, Tmax, H, hd)
+                else:
+                    qp = q.view(R, Tmax, H, hd)
+                att = F.scaled_dot_product_attention(qp.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2),
+                                                     attn_mask=layer_masks[li], scale=self._scale, enable_gqa=gqa)
+                att = att.transpose(1, 2).reshape(R * Tmax, H * hd)
+                if ragged:
+                    att = att[pad_t]
+            x = x + F.linear(att, ly.wo, ly.bo)
+            h = _rms_norm(x, ly.ln2, eps)
+            gu = F.linear(h, ly.wgu, ly.bgu)
+            I = gu.shape[-1] // 2
+            x = x + F.linear(F.silu(gu[:, :I]) * gu[:, I:], ly.wd, ly.bd)
+            if (li + 1) in aux_ids:
+                aux_out[li + 1] = x
+
+        if M:
+            hl = x if (M == N and not ragged and out_rows == list(range(N))) else x[rows_t]
+            hl = _rms_norm(hl.to(self.head_dtype), self.norm_head, eps) if self.head_dtype != self.dtype else \
+                _rms_norm(hl, self.norm, eps)
+            logits = F.linear(hl, self.lm_head).float()
+        else:
+            logits = x.new_zeros(0, c.vocab_size, dtype=torch.float32)
+        aux = torch.cat([aux_out[a] for a in aux_ids], -1) if aux_ids else None
+        if commit:
+            for s, e in zip(slots, ends):
+                self.lengths[s] = e
+        return TargetOutput(logits=logits, logit_offsets=log_off, aux_hidden=aux, token_offsets=tok_off)
+
+    __call__ = forward
+
+    # ------------------------------------------------------------------ conveniences
+    def prefill(self, slot: int, ids, aux_layer_ids: Sequence[int] = ()) -> TargetOutput:
+        return self.forward([slot], [ids], logits_last=1, aux_layer_ids=aux_layer_ids)
+
+    def time_forward(self, num_tokens: int, context_len: int = 300, max_tokens_per_request: int = 8,
+                     repeats: int = 5, warmup: int = 2) -> float:
+        """Median seconds of one forward of ``num_tokens`` new tokens spread over ceil(B / max_tokens_per_request)
+        requests, each holding ``context_len`` cached tokens (logits for all new tokens, as in verification)."""
+        nreq = max(1, math.ceil(num_tokens / max_tokens_per_request))
+        per = [num_tokens // nreq + (1 if i < num_tokens % nreq else 0) for i in range(nreq)]
+        slots = [self.alloc() for _ in range(nreq)]
+        g = torch.Generator().manual_seed(0)
+        try:
+            for s in slots:
+                ctx = torch.randint(0, self.config.vocab_size, (context_len,), generator=g)
+                self.forward([s], [ctx], logits_last=0)
+            times = []
+            for i in range(warmup + repeats):
+                batch = [torch.randint(0, self.config.vocab_size, (p,), generator=g) for p in per]
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                self.forward(slots, batch)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                for s in slots:
+                    self.truncate(s, context_len)
+                if i >= warmup:
+                    times.append(dt)
+            times.sort()
+            return times[len(times) // 2]
+        finally:
+            for s in slots:
+                self.free(s)

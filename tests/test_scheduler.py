@@ -1,0 +1,243 @@
+"""Verification-depth schedulers and the SPS cost table (DSPARK.md §6.3, §7, Appendix A)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.rejection_sampler import RejectionSampler
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import (AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix, StaticThreshold,
+                                make_scheduler, sorted_candidates, survival)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    from toy_drafter import one_thread
+
+    yield from one_thread()
+
+
+def logit(p):
+    return math.log(p / (1 - p))
+
+
+def Z(rows):
+    """confidence probabilities -> logits tensor"""
+    return torch.tensor([[logit(c) for c in r] for r in rows], dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------ cost table
+def test_cost_table_interpolation_and_roundtrip(tmp_path):
+    ct = CostTable({1: 0.040, 4: 0.070, 8: 0.090})
+    assert ct.step_time(1) == pytest.approx(0.040)
+    assert ct.step_time(2) == pytest.approx(0.050)
+    assert ct.step_time(6) == pytest.approx(0.080)
+    assert ct.step_time(12) == pytest.approx(0.110)  # last slope extrapolated
+    assert ct.sps(8) == pytest.approx(1 / 0.090)
+    assert ct.step_time(100000) > ct.step_time(8)
+    p = tmp_path / "sps.json"
+    ct.save(p)
+    ct2 = CostTable.load(p)
+    assert [ct2.sps(b) for b in range(1, 20)] == [ct.sps(b) for b in range(1, 20)]
+    assert CostTable.from_sps([1, 0.5, 0.45]).sps(3) == pytest.approx(0.45)
+
+
+def test_cost_table_profile_times_the_runner():
+    from pipeline.target_runner import TargetRunner
+    from toy_drafter import tiny_llama
+
+    r = TargetRunner(tiny_llama(), "float32", device="cpu", max_seq_len=128)
+    ct = CostTable.profile(r, batch_sizes=(1, 3, 9), context_len=20, repeats=1, warmup=1)
+    assert [b for b, _ in ct.points] == [1, 3, 9] and all(t > 0 for _, t in ct.points)
+    assert ct.meta["context_len"] == 20
+    assert not r._used  # profiling slots released
+
+
+# ------------------------------------------------------------------------------------------------ simple rules
+def test_fixed_depth_and_static_threshold():
+    assert FixedDepth(3).schedule(None, [7, 2, 0]) == [3, 2, 0]
+    assert FixedDepth().schedule(None, [7, 2]) == [7, 2]
+    z = Z([[0.9, 0.95, 0.4, 0.99], [0.3, 0.9, 0.9, 0.9], [0.8, 0.8, 0.8, 0.8]])
+    # L = number of leading drafts with RAW per-step σ(z) >= θ (not the cumulative product)
+    assert StaticThreshold(0.5).schedule(z, [4, 4, 4]) == [2, 0, 4]
+    assert StaticThreshold(0.5).schedule(z, [1, 4, 3]) == [1, 0, 3]
+    assert StaticThreshold(0.0).schedule(z, [4, 4, 4]) == [4, 4, 4]
+
+
+# ------------------------------------------------------------------------------------------------ Algorithm 1
+def algorithm1_reference(c, sps, max_depth):
+    """DSPARK.md §7, written out literally (python floats, no shortcuts)."""
+    R = len(c)
+    a = [[0.0] * len(c[0]) for _ in range(R)]
+    for r in range(R):
+        acc = 1.0
+        for j in range(len(c[r])):
+            acc *= c[r][j]
+            a[r][j] = acc if j < max_depth[r] else 0.0
+    E = [(a[r][j], j + 1, r) for r in range(R) for j in range(len(c[r])) if a[r][j] > 0]
+    E.sort(key=lambda e: (-e[0], e[1], e[2]))
+    ell = [0] * R
+    B, tau = R, float(R)
+    best, best_ell = R * sps(R), [0] * R
+    for v, j, r in E:
+        ell[r] = j
+        B += 1
+        tau += v
+        th = tau * sps(B)
+        if th > best:
+            best, best_ell = th, list(ell)
+        else:
+            break
+    return best_ell
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_hardware_aware_matches_literal_algorithm(seed):
+    g = torch.Generator().manual_seed(seed)
+    R, gam = int(torch.randint(1, 9, (1,), generator=g)), 7
+    c = (0.3 + 0.7 * torch.rand(R, gam, generator=g, dtype=torch.float64)).tolist()
+    md = torch.randint(0, gam + 1, (R,), generator=g).tolist()
+    # a realistic non-flat curve: ~flat up to 8 tokens, then growing
+    ct = CostTable({1: 0.042, 2: 0.045, 4: 0.047, 8: 0.05, 16: 0.07, 32: 0.12, 64: 0.21})
+    got = HardwareAwarePrefix(ct).schedule(Z(c), md)
+    assert got == algorithm1_reference(c, ct.sps, md)
+    assert all(0 <= d <= m for d, m in zip(got, md))
+
+
+def test_hardware_aware_handworked():
+    # SPS flat up to 4 tokens then halves: one request, c = (0.9, 0.8, 0.5)
+    ct = CostTable.from_sps({1: 10.0, 4: 10.0, 5: 5.0})
+    d = HardwareAwarePrefix(ct).schedule(Z([[0.9, 0.8, 0.5]]), [3])
+    assert d == [3]  # all three fit in B <= 4 and each raises tau
+    ct2 = CostTable.from_sps({1: 10.0, 2: 10.0, 3: 5.0})
+    assert HardwareAwarePrefix(ct2).schedule(Z([[0.9, 0.8, 0.5]]), [3]) == [1]  # the B=3 cliff stops it
+    # load: two requests share the flat region; the higher-survival candidates win
+    d = HardwareAwarePrefix(ct).schedule(Z([[0.9, 0.9, 0.9], [0.6, 0.9, 0.9]]), [3, 3])
+    assert d == [2, 0]  # B = 2 + 2 = 4: (0,1)=.9, (0,2)=.81 admitted; (0,3)=.729 would need B=5 -> stop
+
+
+def test_ties_prefer_smaller_j_and_keep_prefixes():
+    a = survival(torch.tensor([[1.0, 1.0, 0.5], [1.0, 1.0, 1.0]], dtype=torch.float64), [3, 3])
+    ents = sorted_candidates(a)
+    assert [(r, j) for _, r, j in ents[:5]] == [(0, 1), (1, 1), (0, 2), (1, 2), (1, 3)]
+    for K in range(len(ents) + 1):  # every prefix of the order is prefix-closed per request
+        chosen = {(r, j) for _, r, j in ents[:K]}
+        assert all((r, j - 1) in chosen for r, j in chosen if j > 1)
+
+
+def test_calibration_temperatures_used():
+    ct = CostTable.from_sps({1: 1.0, 2: 0.62})
+    z = Z([[0.7]])
+    # raw c = 0.7: tau 1.7 * 0.62 = 1.054 > 1 -> admitted; sharpened/flattened with T=3 -> c ~ 0.57 -> not admitted
+    assert HardwareAwarePrefix(ct).schedule(z, [1]) == [1]
+    assert HardwareAwarePrefix(ct, temperatures=[3.0]).schedule(z, [1]) == [0]
+
+
+# ------------------------------------------------------------------------------------------------ Appendix A
+PT = torch.tensor([0.7, 0.3], dtype=torch.float64)  # target
+PD = torch.tensor([0.5, 0.5], dtype=torch.float64)  # draft
+C1 = 0.8
+C2 = {0: 0.99, 1: 0.01}  # c_2 depends on the drafted x_1
+SPS_A = CostTable.from_sps([1.0, 0.5, 0.45])
+
+
+def first_token_distribution(depth_of):
+    """Exact P(first emitted token) for one request, γ = 2: x_1 ~ PD, depth = depth_of(x_1), token-wise verification
+    of x_1 when depth >= 1 (accept w.p. min(1, PT/PD), else residual), target sample when depth == 0."""
+    out = torch.zeros(2, dtype=torch.float64)
+    res = (PT - PD).clamp_min(0)
+    res = res / res.sum()
+    for x1 in (0, 1):
+        px = float(PD[x1])
+        if depth_of(x1) >= 1:
+            a = min(1.0, float(PT[x1] / PD[x1]))
+            out[x1] += px * a
+            out += px * (1 - a) * res
+        else:
+            out += px * PT
+    return out
+
+
+def test_appendix_a_early_stop_is_lossless_lookahead_is_not():
+    early = HardwareAwarePrefix(SPS_A)
+    look = HardwareAwarePrefix(SPS_A, early_stop=False)
+    conf = {x1: Z([[C1, C2[x1]]]) for x1 in (0, 1)}
+    # early stop: admitting x_1 drops Θ from 1.0 to 1.8*0.5 = 0.9 -> stop, whatever x_1 is
+    assert [early.schedule(conf[x], [2])[0] for x in (0, 1)] == [0, 0]
+    # look-ahead: for x_1 = 0, admitting x_2 too gives (1.8 + 0.792)*0.45 = 1.166 > 1 -> depth 2
+    assert [look.schedule(conf[x], [2])[0] for x in (0, 1)] == [2, 0]
+    d_early = first_token_distribution(lambda x: early.schedule(conf[x], [2])[0])
+    d_look = first_token_distribution(lambda x: look.schedule(conf[x], [2])[0])
+    assert torch.allclose(d_early, PT, atol=1e-12)
+    assert torch.allclose(d_look, torch.tensor([0.85, 0.15], dtype=torch.float64), atol=1e-12)
+
+
+def test_appendix_a_async_capacity_is_lossless():
+    """Capacity from confidences two rounds old, then top-K by current survival: the current x_1 cannot change
+    whether x_1 is admitted.  Enumerate over the (lagged) history too."""
+    for hist in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        def depth_of(x1):
+            s = AsyncCapacity(SPS_A, lag=2)
+            for h in hist:  # two earlier rounds with some drafted tokens
+                s.schedule(Z([[C1, C2[h]]]), [2])
+            return s.schedule(Z([[C1, C2[x1]]]), [2])[0]
+        assert torch.allclose(first_token_distribution(depth_of), PT, atol=1e-12), hist
+
+
+def test_appendix_a_monte_carlo_through_rejection_sampler():
+    """The same counterexample through the real RejectionSampler (2000 samples): look-ahead is biased towards 0."""
+    g = torch.Generator().manual_seed(7)
+    N = 2000
+    logits = torch.log(PT.float()).repeat(3, 1)
+    s = RejectionSampler("standard")
+    prm = SamplingParams(temperature=1.0)
+
+    def run(sched):
+        n0 = 0
+        for _ in range(N):
+            x1 = int(torch.rand(1, generator=g) < 0.5)  # ~PD
+            x2 = int(torch.rand(1, generator=g) < 0.5)
+            d = sched.schedule(Z([[C1, C2[x1]]]), [2])[0]
+            r = s(logits[:d + 1], [0, d + 1], torch.tensor([[x1, x2]]), [d],
+                  PD.float().repeat(1, 2, 1), torch.arange(2), [prm], [g])
+            n0 += r.tokens[0][0] == 0
+        return n0 / N
+
+    f_early, f_look = run(HardwareAwarePrefix(SPS_A)), run(HardwareAwarePrefix(SPS_A, early_stop=False))
+    se = math.sqrt(0.7 * 0.3 / N)
+    assert abs(f_early - 0.7) < 4 * se
+    assert abs(f_look - 0.85) < 4 * math.sqrt(0.85 * 0.15 / N)
+
+
+# ------------------------------------------------------------------------------------------------ async capacity
+def test_async_capacity_uses_confidences_from_two_rounds_earlier():
+    ct = CostTable({1: 1.0, 3: 1.0, 4: 2.0})  # flat to B = 3, then a cliff
+    s = AsyncCapacity(ct, lag=2)
+    hi = Z([[0.99, 0.99, 0.99]])
+    lo = Z([[0.05, 0.05, 0.05]])
+    # no history yet: verify everything
+    assert s.schedule(lo, [3]) == [3]  # round 0; its own best capacity: B = 3 (any admission helps while flat)
+    assert s.schedule(hi, [3]) == [3]  # round 1
+    assert s.capacity() == 3  # for round 2: from round 0
+    assert s.schedule(hi, [3]) == [2]  # B = 1 + 2
+    # a steep table: low confidences are never worth verifying, high ones are (past the dip at B = 2)
+    s2 = AsyncCapacity(CostTable.from_sps([1.0, 0.5, 0.49, 0.48]), lag=2)
+    s2.schedule(lo, [3])
+    s2.schedule(hi, [3])
+    assert s2.capacity() == 1  # from lo: never worth it
+    assert s2.schedule(hi, [3]) == [0]
+    assert s2.capacity() == 4  # from hi (no break past the dip at B = 2): tau 3.97 * 0.48 > 1
+    assert s2.schedule(lo, [3]) == [3]
+
+
+def test_make_scheduler():
+    ct = CostTable.flat()
+    assert isinstance(make_scheduler("fixed", num_speculative_tokens=3), FixedDepth)
+    assert isinstance(make_scheduler("hardware", cost_table=ct), HardwareAwarePrefix)
+    assert isinstance(make_scheduler("async", cost_table=ct), AsyncCapacity)
+    with pytest.raises(ValueError):
+        make_scheduler("hardware")
+    with pytest.raises(ValueError):
+        make_scheduler("nope")

@@ -1,0 +1,159 @@
+"""TargetRunner: parity with transformers, ragged batched verification == per-request, rollback, layer ids."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.target_runner import TargetRunner
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    from toy_drafter import one_thread
+
+    yield from one_thread()
+
+CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _model(kind, dtype=torch.float32):
+    import transformers as tf
+
+    torch.manual_seed({"llama": 0, "qwen2": 1, "qwen3": 2, "mistral": 3}[kind])
+    if kind == "llama":
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(**CFG))
+    elif kind == "qwen2":
+        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(**CFG))
+    elif kind == "qwen3":
+        m = tf.Qwen3ForCausalLM(tf.Qwen3Config(**CFG, head_dim=24))
+    else:
+        m = tf.MistralForCausalLM(tf.MistralConfig(**CFG, sliding_window=6))
+    return m.to(dtype).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_parity_with_transformers_fp32(kind):
+    m = _model(kind)
+    L = CFG["num_hidden_layers"]
+    ids = torch.randint(0, CFG["vocab_size"], (1, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m(ids, output_hidden_states=True)
+    # the raw output of the last decoder layer (before the final norm) for id L
+    last = {}
+    h = m.model.layers[-1].register_forward_hook(lambda mod, i, o: last.setdefault("x", o[0] if isinstance(o, tuple)
+                                                                                       else o))
+    with torch.no_grad():
+        m(ids)
+    h.remove()
+    r = TargetRunner(m, "float32", device="cpu", init_slots=1, init_len=4)  # forces cache growth
+    s = r.alloc()
+    a = r.forward([s], [ids[0, :11]], aux_layer_ids=list(range(L + 1)))  # prefill
+    b = r.forward([s], [ids[0, 11:]], aux_layer_ids=list(range(L + 1)))  # then 8 more tokens on the cache
+    logits = torch.cat([a.logits, b.logits])
+    assert torch.allclose(logits, ref.logits[0], atol=2e-5, rtol=1e-4)
+    aux = torch.cat([a.aux_hidden, b.aux_hidden]).view(19, L + 1, CFG["hidden_size"])
+    for k in range(L):  # ids 0..L-1 == transformers hidden_states[k]
+        assert torch.allclose(aux[:, k], ref.hidden_states[k][0], atol=2e-5), k
+    assert torch.allclose(aux[:, L], last["x"].reshape(19, -1), atol=2e-5)  # id L: before the final norm
+    assert not torch.allclose(aux[:, L], ref.hidden_states[L][0], atol=1e-3)  # (transformers' last is normed)
+    assert r.length(s) == 19
+
+
+def test_parity_bf16():
+    m = _model("qwen3", torch.bfloat16)
+    ids = torch.randint(0, CFG["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = m(ids).logits[0].float()
+    r = TargetRunner(m, "bfloat16", device="cpu")
+    s = r.alloc()
+    out = r.forward([s], [ids[0, :5]])
+    out2 = r.forward([s], [ids[0, 5:]])
+    got = torch.cat([out.logits, out2.logits])
+    assert got.dtype == torch.float32  # fp32 logits even with a bf16 body
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("layout", ["padded", "per_request"])
+def test_ragged_batch_equals_per_request(kind, layout):
+    """Three requests with different cache lengths and different numbers of new tokens in ONE forward (slots not
+    contiguous, batch order permuted) == each request alone.  Both attention layouts (padded with an exact mask /
+    one attention call per request) are exercised; mistral adds a sliding window shorter than the contexts."""
+    m = _model(kind)
+    g = torch.Generator().manual_seed(2)
+    V = CFG["vocab_size"]
+    ctx = [torch.randint(0, V, (n,), generator=g) for n in (7, 15, 3)]
+    new = [torch.randint(0, V, (n,), generator=g) for n in (4, 1, 8)]
+    ids = [0, 1, 2]
+
+    solo = TargetRunner(m, "float32", device="cpu")
+    ref = []
+    for c, n in zip(ctx, new):
+        s = solo.alloc()
+        solo.forward([s], [c], logits_last=0)
+        ref.append(solo.forward([s], [n], aux_layer_ids=[0, 2, 3]))
+
+    bat = TargetRunner(m, "float32", device="cpu", init_slots=2, init_len=8)
+    bat.max_padded_scores = 1 << 20 if layout == "padded" else 0
+    junk = bat.alloc()  # make slots non-contiguous
+    slots = [bat.alloc() for _ in ids]
+    bat.free(junk)
+    out0 = bat.forward(slots, ctx, logits_last=[1, 2, 0])  # ragged prefill of all three
+    assert out0.logit_offsets == [0, 1, 3, 3]
+    order = [2, 0, 1]
+    out = bat.forward([slots[i] for i in order], [new[i] for i in order], aux_layer_ids=[0, 2, 3])
+    for j, i in enumerate(order):
+        assert torch.allclose(out.logits_of(j), ref[i].logits, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(out.aux_of(j), ref[i].aux_hidden, atol=1e-5, rtol=1e-5)
+        assert bat.length(slots[i]) == len(ctx[i]) + len(new[i])
+    # logits_last selects trailing rows only
+    s = bat.alloc()
+    o = bat.forward([s], [torch.cat([ctx[0], new[0]])], logits_last=2)
+    assert torch.allclose(o.logits, ref[0].logits[-2:], atol=1e-5)
+
+
+def test_rollback_then_continue_equals_fresh():
+    m = _model("qwen3")
+    g = torch.Generator().manual_seed(3)
+    V = CFG["vocab_size"]
+    ctx, bad, good = (torch.randint(0, V, (n,), generator=g) for n in (9, 6, 5))
+    r = TargetRunner(m, "float32", device="cpu")
+    s = r.alloc()
+    r.forward([s], [ctx], logits_last=0)
+    r.forward([s], [bad])  # a rejected block
+    r.truncate(s, 9 + 2)  # keep the first two tokens of it
+    out = r.forward([s], [good])
+    fresh = TargetRunner(m, "float32", device="cpu")
+    f = fresh.alloc()
+    ref = fresh.forward([f], [torch.cat([ctx, bad[:2], good])], logits_last=5)
+    assert torch.allclose(out.logits, ref.logits, atol=1e-5)
+    with pytest.raises(ValueError):
+        r.truncate(s, 100)
+
+
+def test_slots_reuse_and_limits():
+    m = _model("llama")
+    r = TargetRunner(m, "float32", device="cpu", max_seq_len=16, init_slots=1, init_len=4)
+    a, b = r.alloc(), r.alloc()
+    assert a != b
+    r.forward([a, b], [[1, 2, 3], [4]])
+    r.free(a)
+    c = r.alloc()
+    assert r.length(c) == 0
+    with pytest.raises(ValueError):
+        r.forward([b], [list(range(16))])  # 1 + 16 > max_seq_len
+    with pytest.raises(ValueError):
+        r.forward([b, b], [[1], [2]])
+
+
+def test_from_pretrained_folder(tmp_path):
+    m = _model("llama")
+    m.save_pretrained(tmp_path)
+    r = TargetRunner.from_pretrained(tmp_path, "float32", device="cpu")
+    s = r.alloc()
+    ids = torch.arange(10)
+    with torch.no_grad():
+        ref = m(ids[None]).logits[0]
+    assert torch.allclose(r.forward([s], [ids]).logits, ref, atol=2e-5)
