@@ -11,8 +11,13 @@ from pipeline.runtime import apply_env
 
 
 def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "bfloat16", extract_layer_ids=None,
-              kv_cache_gb: float | None = None):
+              kv_cache_gb: float | None = None, threads: int | None = None):
+    """threads: torch threads of the in-process engine (default: all cores of the machine; Ray sets
+    OMP_NUM_THREADS to the actor's CPU count, which would leave a 1-CPU actor single-threaded)."""
     apply_env()
+    import torch
+
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if kv_cache_gb is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)

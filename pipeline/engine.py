@@ -229,6 +229,10 @@ class SpeculativeEngine:
         self._arrivals = itertools.count()
         self.timers = EngineTimers()
         self.finished_stats = RequestStats()
+        # Per-round records for evaluation / calibration: {request_id, L, m, conf} with conf the confidence logits
+        # the drafter produced for that round (STS-scaled when the drafter has temperatures), or None.
+        self.record_rounds = False
+        self.round_log: list[dict] = []
 
     # ------------------------------------------------------------------ request management
     def add_request(self, prompt, params: SamplingParams | None = None, max_tokens: int = 16,
@@ -306,6 +310,7 @@ class SpeculativeEngine:
 
         # --- draft + schedule ---------------------------------------------------------------------------------
         depths: dict[str, int] = {}
+        round_conf: dict[str, list] = {}
         prop_tokens = prop_q = draft_ids = None
         q_row: dict[str, int] = {}
         max_depth = {}
@@ -323,6 +328,8 @@ class SpeculativeEngine:
             if conf is not None:
                 conf_rows = conf[torch.tensor([q_row[r.request_id] for r in spec])][:, :self.depth_cap]
             ds = self.scheduler.schedule(conf_rows, [max_depth[r.request_id] for r in spec])
+            round_conf = ({r.request_id: conf_rows[j].tolist() for j, r in enumerate(spec)}
+                          if self.record_rounds and conf_rows is not None else {})
             for r, d in zip(spec, ds):
                 depths[r.request_id] = int(min(d, max_depth[r.request_id]))
             self.timers.schedule_s += time.perf_counter() - t1
@@ -376,6 +383,9 @@ class SpeculativeEngine:
                     st.verified_at[k] += 1
                 for k in range(m):
                     st.accepted_at[k] += 1
+                if self.record_rounds:
+                    self.round_log.append({"request_id": r.request_id, "L": L, "m": m,
+                                           "conf": round_conf.get(r.request_id)})
                 emitted = self._append(r, toks)
                 st.emitted += len(emitted)
             if r.finished:

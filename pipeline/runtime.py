@@ -49,6 +49,9 @@ _FORCED = {
 }
 _DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "2",
+    # vLLM's CPU backend "auto" binding reserves a core for its scheduler and pins OpenMP to the rest: on a 2-core
+    # machine that is ONE core (measured: 12.8 tok/s in-process vs 35 tok/s unbound, 16 prompts x 64 tokens).
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_TARGET_DEVICE": "cpu",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",

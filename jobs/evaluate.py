@@ -1,0 +1,28 @@
+"""Offline evaluation - acceptance length τ (tokens per round incl. the bonus token), per-position acceptance,
+verify rate, proposed depth, confidence ECE/AUC, wall time and tokens/s, for each --drafter and the no-speculation
+baseline (fp32 and bf16 target), measured side by side on the same prompts in one run.
+
+Writes results.json (per benchmark and overall), acceptance_by_position.png and reliability.png to --out."""
+from __future__ import annotations
+
+from pipeline.runtime import apply_env
+
+
+def main(argv=None):
+    apply_env()
+    from pipeline.config_cli import parse_config
+    from pipeline.evaluation import EvalConfig, run_evaluation
+
+    cfg = parse_config(EvalConfig, argv, description=__doc__)
+    res = run_evaluation(cfg)
+    print(f"\n{'system':<22} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'depth':>6} {'mismatch':>8}")
+    for name, s in res["overall"].items():
+        print(f"{name:<22} {s.get('tau', 1.0):6.2f} {s['tokens_per_s']:8.1f} "
+              f"{s['speedup_vs_fastest_baseline']:8.2f} {s.get('mean_verified_depth', 0):6.2f} "
+              f"{str(s['greedy_mismatches_vs_baseline']):>8}")
+    print(f"results: {cfg.out / 'results.json'}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

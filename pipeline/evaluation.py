@@ -1,0 +1,259 @@
+"""Offline evaluation: acceptance length τ, per-position acceptance, confidence calibration and speed, for one or
+more drafters and the no-speculation baseline, measured side by side in one run (DSPARK.md §6, §9).
+
+Every prompt is run by every system in turn (baseline(s), drafter A, drafter B, ...) as a single stream, so
+machine noise hits all systems alike; wall times are summed per system and speed is reported as a ratio to the
+FASTEST no-speculation configuration (fp32 and bf16 target both measured).  At temperature 0 every speculative
+output must equal the baseline's token for token; mismatches are counted in results.json (they should be 0).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.sampling import SamplingParams
+
+EVAL_SEED = 980406  # DeepSpec's subsampling seed (DSPARK.md §9)
+
+
+@dataclass
+class EvalConfig:
+    drafter: list[str] = field(default_factory=list, metadata={
+        "help": "drafter checkpoint folder(s), optionally labelled: --drafter dspark=work/train/dspark/drafter "
+                "--drafter dflash=work/train/dflash/drafter"})
+    benchmarks: list[Path] = field(default_factory=list, metadata={
+        "help": "benchmark JSONL files ({\"turns\": [...]}, first turn used); default: the shipped prompt set"})
+    out: Path = field(default=Path("work/eval"), metadata={"help": "output folder (results.json + PNGs)"})
+    target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
+    limit: int = field(default=20, metadata={"help": "prompts per benchmark (shuffled with seed 980406 if fewer "
+                                                     "than the file has)"})
+    max_new_tokens: int = field(default=256, metadata={"help": "generation cap per prompt"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature for target and drafter"})
+    top_p: float = field(default=1.0, metadata={"help": "top-p for target and drafter"})
+    top_k: int = field(default=0, metadata={"help": "top-k for target and drafter (0 = off)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed (each prompt gets seed + index)"})
+    scheduler: str = field(default="fixed", metadata={
+        "help": "verification depth: fixed (= --depth), threshold (static θ), hardware (Algorithm 1), async",
+        "choices": ["fixed", "threshold", "hardware", "async"]})
+    depth: int | None = field(default=None, metadata={"help": "num_speculative_tokens (default: the block size)"})
+    threshold: float = field(default=0.5, metadata={"help": "θ for --scheduler threshold"})
+    cost_table: Path | None = field(default=None, metadata={"help": "SPS(B) JSON for hardware/async (default: "
+                                                                    "profiled now)"})
+    spec_dtype: str = field(default="bfloat16", metadata={"help": "target precision for speculative verification "
+                                                                  "(acceptance always uses fp32 probabilities)",
+                                                          "choices": ["bfloat16", "float32"]})
+    baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"], metadata={
+        "help": "target precisions of the no-speculation baseline (the fastest is the reference)"})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
+
+
+def parse_drafters(specs: list[str]) -> list[tuple[str, Path]]:
+    out = []
+    for s in specs:
+        label, _, path = s.partition("=") if "=" in s else ("", "", s)
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--drafter {s}: no drafter checkpoint at {path} (config.json missing)")
+        out.append((label or path.name if path.name != "drafter" else (label or path.parent.name), path))
+    labels = [l for l, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"drafter labels must be unique, got {labels}; use label=path")
+    return out
+
+
+def load_benchmark(path: Path, tokenizer, limit: int) -> list[dict]:
+    from pipeline.prompts import chat_prompt_ids, read_prompt_files
+
+    rows, skips = read_prompt_files([path])
+    for s in skips:
+        print(f"[evaluate] skipped {s.request_id}: {s.reason}")
+    if len(rows) > limit:
+        rng = random.Random(EVAL_SEED)
+        rng.shuffle(rows)
+        rows = rows[:limit]
+    return [{"id": r.request_id, "prompt_ids": chat_prompt_ids(tokenizer, r.text)} for r in rows]
+
+
+def summarize(records: list[dict], gamma: int) -> dict:
+    """records: one per (prompt, system): stats dict, rounds (list of {L, m, conf}), tokens, seconds."""
+    rounds = sum(r["stats"]["rounds"] for r in records)
+    emitted = sum(r["stats"]["emitted"] for r in records)
+    verified = sum(r["stats"]["verified"] for r in records)
+    accepted = sum(r["stats"]["accepted"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    secs = sum(r["seconds"] for r in records)
+    out = dict(prompts=len(records), generated_tokens=tokens, wall_seconds=secs,
+               tokens_per_s=tokens / secs if secs else 0.0, rounds=rounds)
+    if gamma:
+        v_at = [sum(r["stats"]["verified_at"][k] for r in records) for k in range(gamma)]
+        a_at = [sum(r["stats"]["accepted_at"][k] for r in records) for k in range(gamma)]
+        cum = [a / v if v else None for a, v in zip(a_at, v_at)]
+        cond = [cum[0]] + [(cum[k] / cum[k - 1]) if cum[k] is not None and cum[k - 1] else None
+                           for k in range(1, gamma)]
+        out.update(tau=emitted / rounds if rounds else 0.0, mean_verified_depth=verified / rounds if rounds else 0.0,
+                   verify_rate=(accepted + rounds) / (verified + rounds) if rounds else 0.0,
+                   cumulative_acceptance=cum, conditional_acceptance=cond)
+        out.update(confidence_metrics(records, gamma))
+    return out
+
+
+def confidence_metrics(records: list[dict], gamma: int) -> dict:
+    from pipeline.confidence_head import calibration_report
+
+    z, y = [], []
+    for r in records:
+        for rd in r["rounds"]:
+            if rd["conf"] is not None and rd["L"] == gamma:  # full-length rounds only (no truncation bias)
+                z.append(rd["conf"][:gamma])
+                y.append([1.0 if k < rd["m"] else 0.0 for k in range(gamma)])
+    if len(z) < 2:
+        return {}
+    rep = calibration_report(torch.tensor(z), torch.tensor(y))
+    return dict(confidence_rounds=len(z), confidence_ece=rep.ece, confidence_auc=rep.auroc,
+                confidence_brier=rep.brier)
+
+
+def run_evaluation(cfg: EvalConfig) -> dict:
+    from transformers import AutoTokenizer
+    from tqdm import tqdm
+
+    from pipeline.checkpoint import load_drafter
+    from pipeline.engine import SpeculativeEngine, SpecConfig
+    from pipeline.prompts import DEFAULT_PROMPTS
+    from pipeline.runtime import torch_threads
+    from pipeline.scheduler import CostTable
+    from pipeline.target_model import resolve_target
+    from pipeline.target_runner import TargetRunner
+
+    torch_threads(cfg.threads)
+    target = resolve_target(cfg.target)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    drafters = parse_drafters(cfg.drafter)
+    benches = cfg.benchmarks or [DEFAULT_PROMPTS]
+    runners = {dt: TargetRunner.from_pretrained(str(target), dtype=dt)
+               for dt in sorted(set(cfg.baseline_dtypes) | ({cfg.spec_dtype} if drafters else set()))}
+    cost = None
+    if cfg.scheduler in ("hardware", "async"):
+        cost = CostTable.load(cfg.cost_table) if cfg.cost_table else CostTable.profile(runners[cfg.spec_dtype])
+    base_dtypes = list(dict.fromkeys(list(cfg.baseline_dtypes) + ([cfg.spec_dtype] if drafters else [])))
+    systems = [(f"baseline-{dt}", SpeculativeEngine(runners[dt], None, SpecConfig(), tokenizer=tok), 0)
+               for dt in base_dtypes]
+    ref_name = f"baseline-{cfg.spec_dtype}"  # lossless = same tokens as the target in the SAME precision
+    for label, path in drafters:
+        d = load_drafter(path, str(target))
+        spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=cfg.scheduler,
+                          confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
+                          draft_sample_method="greedy" if cfg.temperature == 0 else "probabilistic")
+        eng = SpeculativeEngine(runners[cfg.spec_dtype], d, spec, tokenizer=tok)
+        eng.record_rounds = True
+        systems.append((label, eng, eng.depth_cap))
+    results = {"config": json.loads(json.dumps(cfg.__dict__, default=str)),
+               "target": str(target), "systems": [s[0] for s in systems], "benchmarks": {}}
+    all_records = {name: [] for name, _, _ in systems}
+    mismatches = {name: 0 for name, _, _ in systems}
+    for bench in benches:
+        prompts = load_benchmark(Path(bench), tok, cfg.limit)
+        recs = {name: [] for name, _, _ in systems}
+        for i, p in enumerate(tqdm(prompts, desc=f"evaluate {Path(bench).stem}", dynamic_ncols=True)):
+            params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                    seed=cfg.seed + i)
+            outs = {}
+            for name, eng, gamma in systems:
+                if gamma:
+                    eng.round_log = []
+                t0 = time.perf_counter()
+                out = eng.generate([p["prompt_ids"]], params, max_tokens=cfg.max_new_tokens)[0]
+                dt = time.perf_counter() - t0
+                rec = dict(id=p["id"], stats=out.stats.to_dict(), tokens=len(out.output_ids), seconds=dt,
+                           rounds=list(eng.round_log) if gamma else [])
+                recs[name].append(rec)
+                outs[name] = out.output_ids
+            if cfg.temperature == 0 and ref_name in outs:
+                for name, _, gamma in systems:
+                    if gamma and outs[name] != outs[ref_name]:
+                        mismatches[name] += 1
+        results["benchmarks"][Path(bench).stem] = {name: summarize(recs[name], g) for name, _, g in systems}
+        for name in recs:
+            all_records[name] += recs[name]
+    overall = {name: summarize(all_records[name], g) for name, _, g in systems}
+    base = max((overall[n]["tokens_per_s"], n) for n, _, g in systems if not g)
+    for name, _, g in systems:
+        overall[name]["speedup_vs_fastest_baseline"] = overall[name]["tokens_per_s"] / base[0] if base[0] else None
+        overall[name]["greedy_mismatches_vs_baseline"] = mismatches[name] if cfg.temperature == 0 and g else None
+    results["overall"] = overall
+    results["fastest_baseline"] = base[1]
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    from pipeline.shards import atomic_write_json
+
+    atomic_write_json(cfg.out / "results.json", results)
+    plot_acceptance(results, cfg.out / "acceptance_by_position.png")
+    plot_reliability(all_records, [(n, g) for n, _, g in systems if g], cfg.out / "reliability.png")
+    return results
+
+
+def plot_acceptance(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = list(results["benchmarks"])
+    fig, axes = plt.subplots(1, len(benches) + 1, figsize=(4 * (len(benches) + 1), 3.3), squeeze=False)
+    for ax, (title, block) in zip(axes[0], [(b, results["benchmarks"][b]) for b in benches]
+                                  + [("overall", results["overall"])]):
+        for name, s in block.items():
+            cond = s.get("conditional_acceptance")
+            if cond:
+                ax.plot(range(1, len(cond) + 1), [c if c is not None else float("nan") for c in cond], marker="o",
+                        label=f"{name} (τ={s['tau']:.2f})")
+        ax.set_title(title)
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n_bins: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 4.2))
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    for name, gamma in systems:
+        z, y = [], []
+        for r in records[name]:
+            for rd in r["rounds"]:
+                if rd["conf"] is not None and rd["L"] == gamma:
+                    a = torch.sigmoid(torch.tensor(rd["conf"][:gamma])).cumprod(0)
+                    z += a.tolist()
+                    y += [1.0 if k < rd["m"] else 0.0 for k in range(gamma)]
+        if not z:
+            continue
+        z, y = torch.tensor(z), torch.tensor(y)
+        bins = torch.clamp((z * n_bins).long(), max=n_bins - 1)
+        xs, ys = [], []
+        for b in range(n_bins):
+            sel = bins == b
+            if sel.sum() >= 5:
+                xs.append(float(z[sel].mean()))
+                ys.append(float(y[sel].mean()))
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel("predicted prefix survival a_k")
+    ax.set_ylabel("observed acceptance of prefix")
+    ax.set_title("confidence reliability")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
