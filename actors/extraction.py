@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from actors.vllm_engine import build_llm
+from actors.vllm_engine import actor_runtime_env, build_llm
 from pipeline.hidden_store import bytes_per_token, tensor_from_bytes, tensor_to_bytes
 
 _IN_SCHEMA = pa.schema([("request_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
@@ -48,6 +48,8 @@ class ExtractConfig:
     batch_size: int = field(default=16, metadata={"help": "samples per extractor call"})
     pool_size: int = field(default=1, metadata={"help": "number of extractor actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per extractor actor"})
+    threads: int | None = field(default=None, metadata={
+        "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
         "help": "extra Ray resources per actor as JSON, e.g. '{\"inference\": 1}'"})
     limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
@@ -198,6 +200,7 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
         ds = ds.map_batches(VLLMExtractor, batch_format="pyarrow", batch_size=cfg.batch_size,
                             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
                             **({"resources": resources} if resources else {}),
+                            runtime_env=actor_runtime_env(cfg.threads),
                             fn_constructor_kwargs=dict(target=str(target), layer_ids=layer_ids, n_layers=L,
                                                        max_model_len=cfg.max_model_len, kind=cfg.extractor))
         bar = tqdm(total=len(todo), desc="extract", unit="sample", dynamic_ncols=True)

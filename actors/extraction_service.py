@@ -55,11 +55,12 @@ class ExtractionService:
         from pipeline.target_model import num_layers
 
         from actors.mooncake_master import loopback_preload_env
+        from actors.vllm_engine import actor_runtime_env
 
         ep = endpoint.to_dict() if hasattr(endpoint, "to_dict") else dict(endpoint)
         # the worker's Mooncake client must bind loopback only: the shim has to be preloaded at process start
         cls = ray.remote(num_cpus=num_cpus, resources=resources or {},
-                         runtime_env={"env_vars": loopback_preload_env({})})(_ExtractionWorker)
+                         runtime_env=actor_runtime_env(None, loopback_preload_env({})))(_ExtractionWorker)
         self.workers = [cls.remote(str(target), list(layer_ids), num_layers(target), max_model_len, ep, prefix, kind)
                         for _ in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])

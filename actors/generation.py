@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from actors.vllm_engine import build_llm, request_seed
+from actors.vllm_engine import actor_runtime_env, build_llm, request_seed
 from pipeline.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
 
 
@@ -34,6 +34,8 @@ class GenerateConfig:
     batch_size: int = field(default=16, metadata={"help": "prompts per vLLM generate call (Ray Data batch)"})
     pool_size: int = field(default=1, metadata={"help": "number of vLLM generator actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per generator actor"})
+    threads: int | None = field(default=None, metadata={
+        "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
         "help": "extra Ray resources per actor as JSON, e.g. '{\"inference\": 1}' to pin to inference nodes"})
     rows_per_shard: int = field(default=64, metadata={"help": "rows per Parquet shard (the unit of resumption)"})
@@ -123,7 +125,7 @@ def run_generation(cfg: GenerateConfig) -> dict:
         ds = ds.map_batches(
             VLLMGenerator, batch_format="pyarrow", batch_size=cfg.batch_size,
             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
-            **({"resources": resources} if resources else {}),
+            **({"resources": resources} if resources else {}), runtime_env=actor_runtime_env(cfg.threads),
             fn_constructor_kwargs=dict(target=str(target), max_model_len=cfg.max_model_len,
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed))

@@ -11,13 +11,11 @@ from pipeline.runtime import apply_env
 
 
 def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "bfloat16", extract_layer_ids=None,
-              kv_cache_gb: float | None = None, threads: int | None = None):
-    """threads: torch threads of the in-process engine (default: all cores of the machine; Ray sets
-    OMP_NUM_THREADS to the actor's CPU count, which would leave a 1-CPU actor single-threaded)."""
+              kv_cache_gb: float | None = None):
+    """The engine's OpenMP thread count comes from OMP_NUM_THREADS at process start (see actor_runtime_env): vLLM's
+    CPU attention checks that the thread count it planned with equals the one it runs with, and Ray runs actor
+    methods on a different thread than __init__, so torch.set_num_threads here would break that check."""
     apply_env()
-    import torch
-
-    torch.set_num_threads(threads or os.cpu_count() or 1)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if kv_cache_gb is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
@@ -42,6 +40,14 @@ def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "bflo
                                 "kv_connector_module_path": "actors.cpu_hidden_states_connector"},
         )
     return LLM(**kwargs)
+
+
+def actor_runtime_env(threads: int | None = None, extra_env: dict | None = None) -> dict:
+    """Ray runtime_env for a vLLM actor: OMP_NUM_THREADS fixed at process start (Ray would set it to the actor's
+    CPU count, 1 by default, leaving the engine single-threaded)."""
+    env = {"OMP_NUM_THREADS": str(threads or os.cpu_count() or 1)}
+    env.update(extra_env or {})
+    return {"env_vars": env}
 
 
 def request_seed(base_seed: int, request_id: str) -> int:

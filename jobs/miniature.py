@@ -1,10 +1,16 @@
 """The miniature run: the whole DSpark life cycle on this machine with a local Ray cluster and the real SmolLM2
-target, on the project's small shipped prompt set.
+target, on the project's small shipped prompt set (36 math / code / chat prompts):
 
-Stages run in order, each the same code as its job (jobs.generate, jobs.extract, ...); a stage whose output is
-complete is skipped on a rerun unless --force.  Stages not yet implemented are listed as such in the summary."""
+    generate (Ray Data + vLLM) -> extract hidden states (vLLM, into Mooncake by default) -> train dspark (Ray Train,
+    reading from Mooncake) -> calibrate (STS on held-out rollouts) -> evaluate (tau, speed vs no speculation)
+
+Every stage is the same code as its job (jobs.generate, jobs.extract, jobs.train, jobs.calibrate, jobs.evaluate).
+A stage whose output is complete is skipped on a rerun unless --force.  With --store mooncake the job starts a
+mooncake_master on 127.0.0.1 for the extract + train stages and stops it afterwards; --store disk keeps the hidden
+states on disk instead.  Ends with a summary table."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +25,11 @@ class MiniatureConfig:
         "help": "prompt JSONL files (default: the project's shipped set of 36 math/code/chat prompts)"})
     target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
     max_new_tokens: int = field(default=192, metadata={"help": "response length for generated training data"})
+    store: str = field(default="mooncake", metadata={"help": "hidden-state backend between extract and train",
+                                                     "choices": ["mooncake", "disk"]})
+    train_steps: int = field(default=60, metadata={"help": "drafter training steps"})
+    eval_prompts: int = field(default=6, metadata={"help": "prompts evaluated (baseline vs dspark)"})
+    eval_tokens: int = field(default=96, metadata={"help": "tokens generated per evaluated prompt"})
     force: bool = field(default=False, metadata={"help": "rerun stages even if their output is complete"})
     address: str | None = field(default=None, metadata={"help": "Ray address (default: a local ray.init())"})
 
@@ -28,40 +39,102 @@ def main(argv=None):
     from actors.extraction import ExtractConfig, run_extraction
     from actors.generation import GenerateConfig, run_generation
     from pipeline.config_cli import parse_config
+    from pipeline.prompts import DEFAULT_PROMPTS
     from pipeline.runtime import init_ray
     from pipeline.shards import ShardSet
 
     cfg = parse_config(MiniatureConfig, argv, description=__doc__)
-    cfg.work.mkdir(parents=True, exist_ok=True)
+    w = cfg.work.resolve()
+    w.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.address)
-    summary = []
+    summary: list[tuple[str, str, float]] = []
+    t_all = time.time()
 
     def stage(name, complete, fn):
         t = time.time()
         if complete and not cfg.force:
             summary.append((name, "skipped (complete)", 0.0))
-            print(f"=== {name}: complete, skipped (use --force to redo)")
+            print(f"\n=== {name}: complete, skipped (use --force to redo)", flush=True)
             return
-        print(f"=== {name}")
+        print(f"\n=== {name}", flush=True)
         fn()
         summary.append((name, "done", time.time() - t))
 
-    resp = cfg.work / "responses"
+    resp, hidden, train_dir = w / "responses", w / "hidden", w / "train_dspark"
+    drafter = train_dir / "drafter"
+    tgt = ["--target", cfg.target] if cfg.target else []
     gen = GenerateConfig(prompts=cfg.prompts, out=resp, target=cfg.target, max_new_tokens=cfg.max_new_tokens,
                          address=cfg.address)
     stage("generate", ShardSet(resp, "request_id").has_manifest(), lambda: run_generation(gen))
 
-    hidden = cfg.work / "hidden"
-    ext = ExtractConfig(responses=resp, out=hidden, target=cfg.target, address=cfg.address)
-    stage("extract", (hidden / "manifest.json").is_file(), lambda: run_extraction(ext))
+    train_args = ["--out", str(train_dir), "--max-steps", str(cfg.train_steps), "--seqs-per-step", "4",
+                  "--num-anchors", "64", "--holdout-frac", "0.15", "--checkpoint-every", "20", "--log-every", "5",
+                  *tgt]
+    ext = ExtractConfig(responses=resp, out=hidden, target=cfg.target, address=cfg.address, store=cfg.store)
 
-    for name in ("train", "calibrate", "evaluate", "serve"):
-        summary.append((name, "not implemented yet", 0.0))
+    def train(extra):
+        from jobs.train import main as train_main
+
+        train_main(train_args + extra)
+
+    if cfg.store == "mooncake":
+        # hidden states live in Mooncake only while this job runs: extract + train together, skipped together
+        def extract_and_train():
+            from actors.mooncake_master import MooncakeMaster
+
+            with MooncakeMaster(segment_bytes="3G") as master:
+                ep = master.endpoint
+                print(f"[miniature] mooncake master at {ep.master_addr} (metadata {ep.metadata_url})")
+                m = run_extraction(ext, ep)
+                print(f"[miniature] extracted {len(m['sample_ids'])} samples into Mooncake")
+                train(["--store", "mooncake", "--mooncake-master", ep.master_addr,
+                       "--mooncake-metadata", ep.metadata_url, "--mooncake-prefix", ext.mooncake_prefix])
+
+        stage("extract+train (mooncake)", (drafter / "config.json").is_file(), extract_and_train)
+    else:
+        stage("extract (disk)", (hidden / "manifest.json").is_file(), lambda: run_extraction(ext))
+        stage("train", (drafter / "config.json").is_file(), lambda: train(["--data", str(hidden)]))
+
+    calib = drafter / "calibration" / "calibration.json"
+
+    def calibrate():
+        from jobs.calibrate import main as cal_main
+
+        cal_main(["--drafter", str(drafter), "--responses", str(resp), "--limit", "8", "--max-new-tokens", "96",
+                  *tgt])
+
+    stage("calibrate", calib.is_file(), calibrate)
+
+    ev = w / "eval"
+
+    def evaluate():
+        from jobs.evaluate import main as eval_main
+
+        eval_main(["--drafter", f"dspark={drafter}", "--benchmarks", str(cfg.prompts[0] if cfg.prompts
+                                                                         else DEFAULT_PROMPTS),
+                   "--limit", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_tokens), "--out", str(ev),
+                   *tgt])
+
+    stage("evaluate", (ev / "results.json").is_file(), evaluate)
+    summary.append(("serve", "not in the miniature yet (issue 5)", 0.0))
+
     print("\n=== summary")
-    print(f"{'stage':<10} {'status':<22} {'seconds':>8}")
+    print(f"{'stage':<26} {'status':<36} {'seconds':>8}")
     for name, status, sec in summary:
-        print(f"{name:<10} {status:<22} {sec:8.1f}")
-    print(f"artifacts: {cfg.work.resolve()}")
+        print(f"{name:<26} {status:<36} {sec:8.1f}")
+    if (ev / "results.json").is_file():
+        res = json.loads((ev / "results.json").read_text())
+        o = res["overall"]
+        d = o.get("dspark", {})
+        print(f"\ntau (dspark, greedy, {d.get('prompts')} prompts): {d.get('tau', float('nan')):.2f}   "
+              f"speedup vs fastest no-speculation ({res['fastest_baseline']}): "
+              f"{d.get('speedup_vs_fastest_baseline', float('nan')):.2f}x   "
+              f"greedy mismatches: {d.get('greedy_mismatches_vs_baseline')}")
+    if calib.is_file():
+        c = json.loads(calib.read_text())
+        print("STS ECE per position before -> after: " + ", ".join(
+            f"{b:.3f}->{a:.3f}" for b, a in zip(c["before"]["ece"], c["after"]["ece"])))
+    print(f"\nartifacts: responses {resp}, drafter {drafter}, eval {ev}   (total {time.time() - t_all:.0f}s)")
     return summary
 
 

@@ -51,7 +51,7 @@ def main():
 
     # each engine is bound to its own core (vLLM's CPU backend binds its OpenMP threads; two engines left on
     # "auto" would share one core while the other idles)
-    @ray.remote(num_cpus=1, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0"}})
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}})
     class Prefill:
         def __init__(self):
             from actors.vllm_engine import build_llm
@@ -66,7 +66,7 @@ def main():
                               use_tqdm=False)
             return time.perf_counter() - t
 
-    @ray.remote(num_cpus=1, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "1"}})
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"}})
     class Extract:
         def __init__(self):
             self.ex = VLLMExtractor(target, ids, L, max_len)
