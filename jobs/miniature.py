@@ -27,7 +27,7 @@ class MiniatureConfig:
     max_new_tokens: int = field(default=192, metadata={"help": "response length for generated training data"})
     store: str = field(default="mooncake", metadata={"help": "hidden-state backend between extract and train",
                                                      "choices": ["mooncake", "disk"]})
-    train_steps: int = field(default=60, metadata={"help": "drafter training steps"})
+    train_steps: int = field(default=40, metadata={"help": "drafter training steps (4 sequences x 32 anchors each)"})
     eval_prompts: int = field(default=6, metadata={"help": "prompts evaluated (baseline vs dspark)"})
     eval_tokens: int = field(default=96, metadata={"help": "tokens generated per evaluated prompt"})
     force: bool = field(default=False, metadata={"help": "rerun stages even if their output is complete"})
@@ -68,7 +68,7 @@ def main(argv=None):
     stage("generate", ShardSet(resp, "request_id").has_manifest(), lambda: run_generation(gen))
 
     train_args = ["--out", str(train_dir), "--max-steps", str(cfg.train_steps), "--seqs-per-step", "4",
-                  "--num-anchors", "64", "--holdout-frac", "0.15", "--checkpoint-every", "20", "--log-every", "5",
+                  "--num-anchors", "32", "--holdout-frac", "0.15", "--checkpoint-every", "20", "--log-every", "5",
                   *tgt]
     ext = ExtractConfig(responses=resp, out=hidden, target=cfg.target, address=cfg.address, store=cfg.store)
 
