@@ -28,8 +28,9 @@ class MiniatureConfig:
     store: str = field(default="mooncake", metadata={"help": "hidden-state backend between extract and train",
                                                      "choices": ["mooncake", "disk"]})
     train_steps: int = field(default=40, metadata={"help": "drafter training steps (4 sequences x 32 anchors each)"})
-    eval_prompts: int = field(default=6, metadata={"help": "prompts evaluated (baseline vs dspark)"})
-    eval_tokens: int = field(default=96, metadata={"help": "tokens generated per evaluated prompt"})
+    eval_prompts: int = field(default=4, metadata={"help": "prompts evaluated (baseline vs dspark)"})
+    eval_tokens: int = field(default=64, metadata={"help": "tokens generated per evaluated prompt"})
+    serve_port: int = field(default=8000, metadata={"help": "HTTP port of the Serve app (127.0.0.1)"})
     force: bool = field(default=False, metadata={"help": "rerun stages even if their output is complete"})
     address: str | None = field(default=None, metadata={"help": "Ray address (default: a local ray.init())"})
 
@@ -100,7 +101,7 @@ def main(argv=None):
     def calibrate():
         from jobs.calibrate import main as cal_main
 
-        cal_main(["--drafter", str(drafter), "--responses", str(resp), "--limit", "8", "--max-new-tokens", "96",
+        cal_main(["--drafter", str(drafter), "--responses", str(resp), "--limit", "6", "--max-new-tokens", "64",
                   *tgt])
 
     stage("calibrate", calib.is_file(), calibrate)
@@ -116,7 +117,29 @@ def main(argv=None):
                    *tgt])
 
     stage("evaluate", (ev / "results.json").is_file(), evaluate)
-    summary.append(("serve", "not in the miniature yet (issue 5)", 0.0))
+    answer = {}
+
+    def serve_one_request():
+        """Deploy the Serve app with the trained drafter, ask one chat question through the openai client, shut down."""
+        from openai import OpenAI
+        from ray import serve
+
+        from jobs.serve import run
+        from serve_app.app import ServeConfig
+
+        scfg = ServeConfig(drafter=str(drafter), target=cfg.target, replicas=1, port=cfg.serve_port,
+                           scheduler="hardware", address=cfg.address)
+        url = run(scfg, block=False)
+        try:
+            client = OpenAI(base_url=url, api_key="unused", timeout=600)
+            r = client.chat.completions.create(model=scfg.served_model_name(), max_tokens=48, temperature=0,
+                                               messages=[{"role": "user", "content": "What is 12 + 30?"}])
+            answer["text"] = r.choices[0].message.content
+            print(f"[miniature] chat answer via {url}: {answer['text']!r}")
+        finally:
+            serve.shutdown()
+
+    stage("serve (1 chat request)", False, serve_one_request)
 
     print("\n=== summary")
     print(f"{'stage':<26} {'status':<36} {'seconds':>8}")

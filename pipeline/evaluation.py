@@ -44,7 +44,7 @@ class EvalConfig:
     threshold: float = field(default=0.5, metadata={"help": "θ for --scheduler threshold"})
     cost_table: Path | None = field(default=None, metadata={"help": "SPS(B) JSON for hardware/async (default: "
                                                                     "profiled now)"})
-    spec_dtype: str = field(default="bfloat16", metadata={"help": "target precision for speculative verification "
+    spec_dtype: str = field(default="float32", metadata={"help": "target precision for speculative verification "
                                                                   "(acceptance always uses fp32 probabilities)",
                                                           "choices": ["bfloat16", "float32"]})
     baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"], metadata={

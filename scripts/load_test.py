@@ -1,0 +1,233 @@
+"""Bounded loopback load test of the Serve application (serve_app): for each system -- no speculation, fixed depth γ,
+load-aware scheduler -- deploy it locally, then at each concurrency level run a fixed number of streamed chat
+requests and report output tokens/s, per-user tokens/s, median TTFT and the mean verified depth.  Prints one table
+and writes results.json + load_test.png (throughput and mean verified depth vs concurrency) to --out.
+
+Stops by itself: a fixed number of requests per level, a per-request timeout and a global --time-budget (levels
+not started within the budget are skipped and reported as such).
+
+    python scripts/load_test.py --drafter work/drafter --concurrency 1 2 4 8 16 --max-tokens 32
+    python scripts/load_test.py --random-drafter        # plumbing check with an untrained 1-layer drafter
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.runtime import apply_env  # noqa: E402
+
+PROMPTS = ["Explain what a hash map is.", "Write a short poem about autumn.", "What is 17 times 3?",
+           "Give three tips for learning a language.", "Describe the water cycle.", "Name five animals.",
+           "What does a compiler do?", "Summarise the plot of Cinderella."]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", default=None, help="exported DSpark checkpoint folder")
+    p.add_argument("--random-drafter", action="store_true",
+                   help="export an untrained 1-layer drafter (reduced vocab) and use it (plumbing check only)")
+    p.add_argument("--target", default=None, help="target HF folder (default: the prepared SmolLM2)")
+    p.add_argument("--systems", nargs="+", default=["none", "fixed", "hardware"],
+                   choices=["none", "fixed", "hardware", "async"], help="schedulers to compare")
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--requests-per-level", type=int, default=None,
+                   help="requests per concurrency level (default: max(4, 2 x concurrency))")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--gamma", type=int, default=None, help="γ for fixed / cap for the load-aware scheduler")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--port", type=int, default=8790)
+    p.add_argument("--time-budget", type=float, default=900.0, help="seconds for the whole run")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: <work>/load_test)")
+    return p.parse_args(argv)
+
+
+def random_drafter(target: str, out: Path) -> str:
+    import torch
+    from transformers import AutoConfig
+
+    from pipeline.checkpoint import export_checkpoint
+    from pipeline.drafter import DSparkDrafter
+    from pipeline.drafter_config import DrafterConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target), num_hidden_layers=1,
+                                           draft_vocab_size=4096, markov_rank=32)
+    d = DSparkDrafter.from_target(cfg, target, draft_ids=torch.arange(4096))
+    with torch.no_grad():
+        d.markov_head.markov_w2.weight.normal_(0, 0.02)
+        d.confidence_head.proj.weight.normal_(0, 0.5)
+    return str(export_checkpoint(d, out, verifier_name_or_path=str(target)))
+
+
+async def one_request(client, url: str, model: str, prompt: str, args) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    final = usage = None
+    async with client.stream("POST", url + "/chat/completions", json=body, timeout=args.request_timeout) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices"):
+                ch = ev["choices"][0]
+                if ttft is None and ch["delta"].get("content"):
+                    ttft = time.perf_counter() - t0
+                if ch.get("finish_reason"):
+                    final = ev.get("dspark", {})
+            if ev.get("usage"):
+                usage = ev["usage"]
+    t = time.perf_counter() - t0
+    n = (usage or {}).get("completion_tokens", 0)
+    final = final or {}
+    return {"latency": t, "ttft": ttft if ttft is not None else t, "tokens": n, "rounds": final.get("rounds", 0),
+            "verified": final.get("verified_tokens", 0), "emitted": final.get("emitted_tokens", 0)}
+
+
+async def run_level(url: str, model: str, c: int, n: int, args, deadline: float) -> dict:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(n):
+        queue.put_nowait(PROMPTS[i % len(PROMPTS)])
+    results = []
+
+    async def worker(client):
+        while not queue.empty() and time.time() < deadline:
+            p = queue.get_nowait()
+            try:
+                results.append(await one_request(client, url, model, p, args))
+            except Exception as e:  # timeouts etc.: recorded, the run goes on
+                results.append({"error": f"{type(e).__name__}: {e}"})
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=c + 4)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(c)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    toks = sum(r["tokens"] for r in ok)
+    rounds = sum(r["rounds"] for r in ok)
+    return {
+        "concurrency": c, "requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
+        "output_tokens": toks, "output_tok_s": toks / wall if wall > 0 else 0.0,
+        "per_user_tok_s": statistics.mean(r["tokens"] / r["latency"] for r in ok) if ok else 0.0,
+        "median_ttft_s": statistics.median(r["ttft"] for r in ok) if ok else None,
+        "mean_verified_depth": (sum(r["verified"] for r in ok) / rounds) if rounds else 0.0,
+        "acceptance_length": (sum(r["emitted"] for r in ok) / rounds) if rounds else 0.0,
+        "first_error": next((r["error"] for r in results if "error" in r), None),
+    }
+
+
+def plot(results: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, levels in results.items():
+        xs = [lv["concurrency"] for lv in levels]
+        a1.plot(xs, [lv["output_tok_s"] for lv in levels], marker="o", label=name)
+        a2.plot(xs, [lv["mean_verified_depth"] for lv in levels], marker="o", label=name)
+    for a, t in ((a1, "output tokens/s"), (a2, "mean verified depth (drafts / round)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrent users")
+        a.set_title(t)
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    apply_env()
+    from pipeline.runtime import init_ray, work_dir
+    from pipeline.target_model import resolve_target
+
+    t_start = time.time()
+    deadline = t_start + args.time_budget
+    out = args.out or work_dir() / "load_test"
+    out.mkdir(parents=True, exist_ok=True)
+    target = str(resolve_target(args.target))
+    drafter = args.drafter
+    if drafter is None and args.random_drafter:
+        drafter = random_drafter(target, out / "random_drafter")
+    systems = [s for s in args.systems if s == "none" or drafter]
+    if len(systems) < len(args.systems):
+        print("no --drafter: only the no-speculation system runs", flush=True)
+
+    init_ray()
+    from ray import serve
+
+    from serve_app.app import ServeConfig, build_app
+
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    url = f"http://127.0.0.1:{args.port}/v1"
+    results: dict = {}
+    skipped = []
+    try:
+        for system in systems:
+            if time.time() > deadline:
+                skipped.append(system)
+                continue
+            label = {"none": "no-spec", "fixed": f"fixed-γ{args.gamma or 'max'}", "hardware": "load-aware",
+                     "async": "load-aware-async"}[system]
+            cfg = ServeConfig(drafter=drafter if system != "none" else None, target=target, replicas=args.replicas,
+                              port=args.port, scheduler=system, gamma=args.gamma, dtype=args.dtype,
+                              max_batch=args.max_batch, threads=args.threads, model_name="m")
+            t0 = time.time()
+            serve.run(build_app(cfg), name="loadtest", route_prefix="/", blocking=False)
+            print(f"[{label}] deployed in {time.time() - t0:.0f}s", flush=True)
+            asyncio.run(run_level(url, "m", 1, 1, args, deadline))  # warm-up
+            levels = []
+            for c in args.concurrency:
+                if time.time() > deadline:
+                    skipped.append(f"{label}@{c}")
+                    continue
+                n = args.requests_per_level or max(4, 2 * c)
+                lv = asyncio.run(run_level(url, "m", c, n, args, deadline))
+                levels.append(lv)
+                print(f"[{label}] c={c:<3} {lv['output_tok_s']:7.1f} tok/s  {lv['per_user_tok_s']:6.2f} tok/s/user  "
+                      f"TTFT {lv['median_ttft_s'] or 0:6.3f}s  depth {lv['mean_verified_depth']:4.2f}  "
+                      f"tau {lv['acceptance_length']:4.2f}  errors {lv['errors']}", flush=True)
+            results[label] = levels
+            serve.delete("loadtest")
+    finally:
+        serve.shutdown()
+
+    print(f"\n{'system':<18} {'users':>5} {'tok/s':>8} {'tok/s/user':>10} {'TTFT med':>9} {'depth':>6} {'tau':>5}")
+    for label, levels in results.items():
+        for lv in levels:
+            print(f"{label:<18} {lv['concurrency']:>5} {lv['output_tok_s']:8.1f} {lv['per_user_tok_s']:10.2f} "
+                  f"{lv['median_ttft_s'] or 0:9.3f} {lv['mean_verified_depth']:6.2f} {lv['acceptance_length']:5.2f}")
+    if skipped:
+        print(f"skipped (time budget): {skipped}")
+    meta = {"args": {k: str(v) for k, v in vars(args).items()}, "drafter": drafter, "target": target,
+            "elapsed_s": time.time() - t_start, "skipped": skipped}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if results:
+        plot(results, out / "load_test.png")
+    print(f"results: {out / 'results.json'}  plot: {out / 'load_test.png'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,599 @@
+"""Engine replica: one Ray Serve replica = TargetRunner + (optional) DSpark drafter + SpeculativeEngine, driven by a
+continuous-batching loop.
+
+Continuous batching
+  * ``generate(request)`` is a streaming (async generator) method.  It queues the request and yields one event per
+    engine round that gave it tokens: ``{"token_ids", "text", "finished", "finish_reason", "replica", ...}``; the last
+    event carries the request's speculative stats.
+  * ONE background asyncio task owns the engine.  Between rounds it applies aborts, admits queued requests up to
+    ``max_batch`` (the rest wait, FIFO), refreshes the load shift, then runs ``engine.step()`` in a single-thread
+    executor so the replica's event loop stays responsive (new requests, routing-stats calls, cancellations) while the
+    target forward runs.  Requests join and leave only between rounds: the engine is never touched concurrently.
+  * A cancelled caller (client disconnect -> the ingress cancels the handle stream -> Serve cancels this generator)
+    aborts its request at the next round boundary and frees its KV slot / draft state.
+  * Text is detokenized incrementally; with stop strings the last ``max(len(stop)) - 1`` characters are held back
+    until the request finishes, so no part of a stop string is ever streamed.
+
+Verification-depth policy (schedulers)
+  * ``none``: no speculation (plain batched autoregressive decoding; the drafter is not loaded).
+  * ``fixed``: verify min(γ, remaining) drafts every round (γ = ``gamma``, default: the drafter's block size).
+  * ``hardware``: DSPARK.md §7 Algorithm 1 (greedy prefix admission with the early stop) on this replica's SPS(B)
+    table; ``async``: the production variant (capacity from the unconstrained search two rounds earlier).
+  * SPS(B) is profiled once at replica start (``CostTable.profile``, bounded batch sizes) and cached at
+    ``<work>/cache/sps-<hash>.json`` (hash of target, dtype, device, threads, profile settings, torch version); a file
+    lock makes co-located replicas profile one at a time (a concurrent profile would measure contention) and reuse
+    the cache.  ``reprofile()`` re-measures on demand (between rounds) and replaces the table.
+  * Cluster load (from the router, serve_app/router.py): every routed request carries ``_route`` with, per replica,
+    the target tokens of its last round (B_i) and the tokens it emitted in that round (τ_i), plus the cluster load
+    factor (active+queued over total batch capacity).  The replica keeps the latest view (ignored once older than
+    ``route_ttl_s``) and runs Algorithm 1 on the SHARED hardware: the other replicas' work is a base load
+
+        B_0 = shared_hardware · Σ_{j≠me} B_j,   τ_0 = shared_hardware · Σ_{j≠me} τ_j,
+        Θ = (τ_0 + τ)·SPS(B_0 + B),   admit one more draft token iff  a > (τ_0 + τ)·(SPS(B_0+B)/SPS(B_0+B+1) − 1)
+
+    i.e. co-located replicas are treated as one batch: a verify token of mine slows everyone's round, so its bar
+    includes their expected tokens too, and a busier cluster verifies fewer tokens per request -- the paper's "heavy
+    load -> shallower verification" extended from one engine to the cluster.  ``shared_hardware`` is the fraction of
+    the other replicas' work that lands on this replica's hardware: 1.0 when replicas share cores / an accelerator
+    (the CPU case here), 0.0 when each owns its device (B_0 = τ_0 = 0: exactly Algorithm 1 on its own batch).
+    (Merely shifting SPS by B_0 without τ_0 would LOWER the bar on a concave SPS curve -- Δt/t(B) falls with B --
+    see tests/test_serve.py.)  ``token_budget`` (optional) caps this replica's target tokens per forward.  B_0, τ_0
+    and the cap are fixed BEFORE a round's drafts exist and the early stop is kept, so the depth rule stays
+    lossless (DSPARK.md §7: whether x_j is verified depends only on x_<j).  ``async`` uses the same objective for its
+    lagged, unconstrained capacity search.
+  * ``fixed`` and ``none`` ignore the load (baselines).
+
+Load reporting: ``record_routing_stats()`` (polled by the Serve controller every ``request_routing_stats_period_s``)
+returns active / queued requests, tokens in the last round, recent step time, steps/s and tokens/s, the load shift,
+cumulative speculation counters, the verified-depth histogram and the SPS table; the router uses it for placement
+and the ingress exposes it on /metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ray import serve
+
+logger = logging.getLogger("ray.serve")
+
+SCHEDULER_CHOICES = ("none", "fixed", "hardware", "async")
+ENGINE_METHOD = "generate"  # the streaming method the router annotates with the cluster view
+
+
+# ----------------------------------------------------------------------------------------------------- options
+@dataclass
+class ReplicaOptions:
+    """Everything an engine replica needs (plain data; built by serve_app.app.ServeConfig)."""
+
+    target: str
+    drafter: str | None = None
+    scheduler: str = "hardware"  # 'none' | 'fixed' | 'hardware' | 'async'
+    gamma: int | None = None  # num_speculative_tokens (<= drafter block size); None -> block size
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch: int = 8  # concurrent requests in the engine; more wait in the replica queue
+    max_model_len: int = 2048
+    threads: int | None = None  # torch intra-op threads (None: leave as is)
+    draft_sample_method: str = "probabilistic"
+    seed: int = 0
+    cost_table: str | None = None  # a saved CostTable JSON (skips profiling)
+    profile_batch_sizes: list = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    profile_context_len: int = 128
+    profile_repeats: int = 3
+    cache_dir: str | None = None  # None -> <work>/cache
+    shared_hardware: float = 1.0
+    token_budget: int | None = None
+    route_ttl_s: float = 10.0
+    model_name: str = "model"
+
+    def __post_init__(self):
+        if self.scheduler not in SCHEDULER_CHOICES:
+            raise ValueError(f"scheduler must be one of {SCHEDULER_CHOICES}, got {self.scheduler!r}")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if self.gamma is not None and self.gamma < 1:
+            raise ValueError("gamma must be >= 1")
+        if not 0.0 <= self.shared_hardware <= 1.0:
+            raise ValueError("shared_hardware must lie in [0, 1]")
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None and self.scheduler != "none"
+
+
+# ----------------------------------------------------------------------------------------------------- load-aware depth
+def cluster_prefix_search(a, cost, base_tokens: int = 0, base_tau: float = 0.0, budget: int | None = None,
+                          early_stop: bool = True):
+    """Algorithm 1 (DSPARK.md §7) with the hardware shared by other work: Θ = (τ_0 + τ)·SPS(B_0 + B), where B_0 /
+    τ_0 are the target tokens per round / tokens emitted per round of the OTHER replicas on the same hardware.
+    B_0 = τ_0 = 0 is exactly ``pipeline.scheduler.greedy_prefix_search``.  ``budget`` caps this replica's B.
+    Returns (depths, K admitted candidates)."""
+    from pipeline.scheduler import sorted_candidates
+
+    R = a.shape[0]
+    ents = sorted_candidates(a)
+    B, tau = R, float(R)
+    best = (base_tau + tau) * cost.sps(base_tokens + B)
+    best_k = 0
+    for k, (v, r, j) in enumerate(ents, start=1):
+        B += 1
+        tau += v
+        if budget is not None and B > budget:
+            break
+        th = (base_tau + tau) * cost.sps(base_tokens + B)
+        if th > best:
+            best, best_k = th, k
+        elif early_stop:
+            break
+    depths = [0] * R
+    for v, r, j in ents[:best_k]:
+        depths[r] = max(depths[r], j)
+    return depths, best_k
+
+
+class _ClusterLoad:
+    """Mixin state: the other replicas' load on this replica's hardware (set by the replica before each round)."""
+
+    base_tokens: int = 0
+    base_tau: float = 0.0
+
+    def set_load(self, base_tokens: int, base_tau: float) -> None:
+        self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
+
+
+def _survival(conf_logits, max_depth):
+    from pipeline.scheduler import calibrated_confidence, survival
+
+    # DSparkDrafter applies its STS temperatures itself: raw sigmoid here (temperatures=None)
+    return survival(calibrated_confidence(conf_logits, None), max_depth)
+
+
+def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: int = 2):
+    """'hardware' -> ClusterAwarePrefix, 'async' -> ClusterAwareAsync (both lossless; see the module docstring)."""
+    from pipeline.scheduler import AsyncCapacity, VerificationScheduler
+
+    class ClusterAwarePrefix(_ClusterLoad, VerificationScheduler):
+        name = "hardware"
+        needs_confidence = True
+
+        def __init__(self):
+            self.cost, self.budget = cost, budget
+
+        def schedule(self, conf_logits, max_depth):
+            if conf_logits is None:
+                raise ValueError("the hardware-aware scheduler needs confidence logits (a DSpark drafter)")
+            depths, _ = cluster_prefix_search(_survival(conf_logits, max_depth), self.cost, self.base_tokens,
+                                              self.base_tau, self.budget)
+            return depths
+
+    class ClusterAwareAsync(_ClusterLoad, AsyncCapacity):
+        """AsyncCapacity whose lagged capacity comes from the cluster-aware unconstrained search."""
+
+        def __init__(self):
+            AsyncCapacity.__init__(self, cost, None, lag=lag)
+            self.budget = budget
+
+        def schedule(self, conf_logits, max_depth):
+            from pipeline.scheduler import sorted_candidates
+
+            if conf_logits is None:
+                raise ValueError("the async scheduler needs confidence logits (a DSpark drafter)")
+            R = len(max_depth)
+            a = _survival(conf_logits, max_depth)
+            cap = self.capacity()
+            K = sum(int(m) for m in max_depth) if cap is None else max(0, int(cap) - R)
+            if self.budget is not None:
+                K = min(K, max(0, self.budget - R))
+            depths = [0] * R
+            for v, r, j in sorted_candidates(a)[:K]:
+                depths[r] = max(depths[r], j)
+            self.last_capacity = R + K if cap is not None else None
+            _, k_best = cluster_prefix_search(a, self.cost, self.base_tokens, self.base_tau, self.budget,
+                                              early_stop=False)
+            self._hist.append(R + k_best)
+            return depths
+
+    if kind == "hardware":
+        return ClusterAwarePrefix()
+    if kind == "async":
+        return ClusterAwareAsync()
+    raise ValueError(f"no load-aware scheduler {kind!r}")
+
+
+def cost_table_key(opts: ReplicaOptions, max_tokens_per_request: int) -> str:
+    import torch
+
+    tgt = Path(opts.target)
+    cfg = tgt / "config.json"
+    ident = {
+        "target": str(tgt.resolve()), "config_mtime": cfg.stat().st_mtime if cfg.is_file() else None,
+        "dtype": opts.dtype, "device": opts.device, "threads": torch.get_num_threads(),
+        "batch_sizes": [int(b) for b in opts.profile_batch_sizes], "context_len": opts.profile_context_len,
+        "repeats": opts.profile_repeats, "max_tokens_per_request": max_tokens_per_request,
+        "torch": torch.__version__, "cpus": os.cpu_count(), "v": 1,
+    }
+    return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_or_profile_cost_table(runner, opts: ReplicaOptions, max_tokens_per_request: int, force: bool = False):
+    """The cached SPS table for this (target, dtype, device, threads, profile settings), profiling it if missing.
+
+    Returns (CostTable, path, profiled: bool)."""
+    import fcntl
+
+    from pipeline.runtime import work_dir
+    from pipeline.scheduler import CostTable
+
+    cache = Path(opts.cache_dir) if opts.cache_dir else work_dir() / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    key = cost_table_key(opts, max_tokens_per_request)
+    path = cache / f"sps-{key}.json"
+    with open(cache / f"sps-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one profiler at a time on this machine
+        try:
+            if path.is_file() and not force:
+                try:
+                    return CostTable.load(path), path, False
+                except Exception:  # corrupt cache: profile again
+                    logger.warning("corrupt SPS cache %s; re-profiling", path)
+            table = CostTable.profile(runner, batch_sizes=[int(b) for b in opts.profile_batch_sizes],
+                                      context_len=opts.profile_context_len,
+                                      max_tokens_per_request=max_tokens_per_request, repeats=opts.profile_repeats,
+                                      warmup=1)
+            table.meta["key"] = key
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            table.save(tmp)
+            os.replace(tmp, path)
+            return table, path, True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------------------------------- per request
+@dataclass
+class _Live:
+    rid: str
+    queue: asyncio.Queue
+    args: dict
+    hold: int = 0  # characters held back for stop strings
+    sent_chars: int = 0
+    admitted: bool = False
+    finished: bool = False
+    routing: list | None = None  # the router's ranking when it placed this request
+    t_arrival: float = field(default_factory=time.perf_counter)
+
+
+def _stats_dict(st) -> dict:
+    rounds = st.rounds
+    return {
+        "rounds": rounds, "proposed_tokens": st.proposed, "verified_tokens": st.verified,
+        "accepted_tokens": st.accepted, "emitted_tokens": st.emitted,
+        "mean_verified_depth": st.verified / rounds if rounds else 0.0,
+        "acceptance_length": st.tau if rounds else 0.0,
+        "acceptance_rate": [None if a is None else round(a, 4) for a in st.acceptance_rate()],
+        "verified_at": list(st.verified_at),
+    }
+
+
+class EngineReplica:
+    """The engine deployment class (decorated below).  Constructor arg: ``ReplicaOptions`` as a dict."""
+
+    def __init__(self, options: dict):
+        from pipeline.runtime import apply_env
+
+        apply_env()
+        import torch
+        from transformers import AutoTokenizer
+
+        from pipeline.engine import SpecConfig, SpeculativeEngine
+        from pipeline.prompts import end_of_turn_ids
+        from pipeline.target_runner import TargetRunner
+
+        self.opts = opts = ReplicaOptions(**options)
+        if opts.threads:
+            torch.set_num_threads(int(opts.threads))
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (unit use)
+            self.replica_id = f"local-{uuid.uuid4().hex[:6]}"
+        t0 = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(opts.target)
+        self.runner = TargetRunner.from_pretrained(opts.target, dtype=opts.dtype, device=opts.device,
+                                                   max_seq_len=opts.max_model_len)
+        drafter = None
+        self.cost_table = self.cost_path = None
+        self.load_sched = None
+        scheduler = "fixed"
+        if opts.speculative:
+            from pipeline.checkpoint import load_drafter
+            from pipeline.scheduler import FixedDepth
+
+            drafter = load_drafter(opts.drafter, opts.target, dtype=self.runner.dtype, device=self.runner.device)
+            block = int(drafter.cfg.block_size)
+            if opts.gamma is not None and opts.gamma > block:
+                raise ValueError(f"gamma {opts.gamma} > drafter block size {block}")
+            gamma = opts.gamma or block
+            if opts.scheduler == "fixed":
+                scheduler = FixedDepth(gamma)
+            else:
+                if opts.cost_table:
+                    from pipeline.scheduler import CostTable
+
+                    self.cost_table, self.cost_path = CostTable.load(opts.cost_table), Path(opts.cost_table)
+                else:
+                    self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts, gamma + 1)
+                scheduler = make_load_aware_scheduler(opts.scheduler, self.cost_table, opts.token_budget)
+                self.load_sched = scheduler
+            spec = SpecConfig(method=drafter.cfg.kind, num_speculative_tokens=gamma, scheduler=scheduler,
+                              draft_sample_method=opts.draft_sample_method, seed=opts.seed)
+        else:
+            spec = SpecConfig(seed=opts.seed)
+        eos = set(self.runner.config.eos_token_ids) | set(end_of_turn_ids(self.tokenizer))
+        self.engine = SpeculativeEngine(self.runner, drafter, spec, tokenizer=self.tokenizer, eos_token_ids=eos,
+                                        max_model_len=opts.max_model_len)
+        self.load_s = time.perf_counter() - t0
+
+        self._live: dict[str, _Live] = {}
+        self._pending: collections.deque[_Live] = collections.deque()
+        self._aborts: set[str] = set()
+        self._wake: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # load / stats
+        self._route: dict = {}
+        self._route_ts = 0.0
+        self._cluster_load = 0.0
+        self._tokens_last_round = 0
+        self._emitted_last_round = 0
+        self._step_ema = None
+        self._recent: collections.deque = collections.deque(maxlen=256)  # (t_end, step_s, emitted, B)
+        self._depth_hist = [0] * (self.engine.depth_cap + 1)
+        self._totals = collections.Counter()
+        self._prev_stats: dict[str, tuple] = {}
+        logger.info("engine replica %s ready in %.1fs (speculative=%s, scheduler=%s, gamma=%s, SPS cache %s)",
+                    self.replica_id, self.load_s, opts.speculative, opts.scheduler, self.engine.depth_cap,
+                    self.cost_path)
+
+    # ------------------------------------------------------------------------------------------- public methods
+    async def generate(self, request: dict, _route: dict | None = None):
+        """Stream events for one request.  ``request``: prompt_ids, max_tokens, temperature, top_p, top_k, seed,
+        stop, stop_token_ids, ignore_eos, request_id (optional).  ``_route``: injected by the router."""
+        self._ensure_loop()
+        if _route:
+            self._route, self._route_ts = dict(_route), time.time()
+        rid = str(request.get("request_id") or f"req-{uuid.uuid4().hex[:12]}")
+        while rid in self._live:
+            rid = f"{rid}-{uuid.uuid4().hex[:4]}"
+        stop = request.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        live = _Live(rid, asyncio.Queue(), dict(request, stop=stop),
+                     hold=max((len(s) for s in stop), default=1) - 1, routing=(_route or {}).get("ranking"))
+        self._live[rid] = live
+        self._pending.append(live)
+        self._totals["requests"] += 1
+        self._wake.set()
+        try:
+            while True:
+                ev = await live.queue.get()
+                yield ev
+                if ev.get("finished"):
+                    break
+        finally:
+            if not live.finished:  # cancelled (client gone) or the consumer stopped early
+                self._totals["aborted"] += 1
+                self._aborts.add(rid)
+                self._wake.set()
+            self._live.pop(rid, None)
+
+    async def record_routing_stats(self) -> dict:
+        """Load report polled by the Serve controller and handed to the router (``replica.routing_stats``)."""
+        now = time.time()
+        horizon = time.perf_counter() - 5.0
+        rec = [r for r in self._recent if r[0] >= horizon]
+        busy = sum(r[1] for r in rec)
+        steps_per_s = len(rec) / 5.0
+        tokens_per_s = sum(r[2] for r in rec) / 5.0
+        step_s = self._step_ema
+        if step_s is None:
+            step_s = self.cost_table.step_time(1) if self.cost_table is not None else None
+        return {
+            "replica": self.replica_id, "ts": now,
+            "active": self.engine.num_active(), "queued": len(self._pending), "max_batch": self.opts.max_batch,
+            "tokens_last_round": self._tokens_last_round if rec else 0,
+            "step_s": step_s, "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "busy_fraction": busy / 5.0,
+            "emitted_last_round": self._emitted_last_round if rec else 0,
+            "load_shift": self.load_sched.base_tokens if self.load_sched is not None else 0,
+            "load_tau": self.load_sched.base_tau if self.load_sched is not None else 0.0,
+            "cluster_load": self._cluster_load,
+            "scheduler": self.opts.scheduler if self.opts.speculative else "none", "gamma": self.engine.depth_cap,
+            "totals": dict(self._totals), "depth_hist": list(self._depth_hist),
+            "sps": ({str(b): round(1.0 / t, 3) for b, t in self.cost_table.points}
+                    if self.cost_table is not None else {}),
+        }
+
+    async def stats(self) -> dict:
+        """The same report, plus static info (for /metrics warm-up and debugging)."""
+        d = await self.record_routing_stats()
+        d.update(model=self.opts.model_name, max_model_len=self.opts.max_model_len, load_s=self.load_s,
+                 cost_table_path=str(self.cost_path) if self.cost_path else None)
+        return d
+
+    async def reprofile(self) -> dict:
+        """Re-measure SPS(B) now (between rounds), replace the cached table and the scheduler's curve."""
+        if self.load_sched is None:
+            return {"profiled": False, "reason": "scheduler does not use a cost table"}
+        self._ensure_loop()
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            table, path, _ = await loop.run_in_executor(
+                self._executor, lambda: load_or_profile_cost_table(self.runner, self.opts, self.engine.depth_cap + 1,
+                                                                   force=True))
+            self.cost_table, self.cost_path = table, path
+            self.load_sched.cost = table
+        return {"profiled": True, "path": str(path), "step_seconds": dict(table.points)}
+
+    async def check_health(self):
+        if self._task is not None and self._task.done() and not self._task.cancelled():
+            exc = self._task.exception()
+            raise RuntimeError(f"engine loop died: {exc!r}")
+
+    def __del__(self):
+        try:
+            if self._task is not None:
+                self._task.cancel()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = self._wake or asyncio.Event()
+            self._lock = self._lock or asyncio.Lock()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending and not self._aborts and not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+            async with self._lock:
+                self._apply_aborts()
+                self._admit()
+                if not self.engine.has_unfinished():
+                    continue
+                self._update_shift()
+                t0 = time.perf_counter()
+                try:
+                    outs = await loop.run_in_executor(self._executor, self.engine.step)
+                except Exception as e:  # a broken round: fail every active request, keep serving
+                    logger.exception("engine step failed")
+                    self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                    continue
+                dt = time.perf_counter() - t0
+            self._account(outs, dt)
+            for o in outs:
+                self._dispatch(o)
+
+    def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        ids, self._aborts = self._aborts, set()
+        if self._pending:
+            self._pending = collections.deque(lv for lv in self._pending if lv.rid not in ids)
+        for rid in ids:
+            self.engine.abort(rid)  # frees the KV slot and the draft state
+            self._prev_stats.pop(rid, None)
+
+    def _admit(self) -> None:
+        from pipeline.sampling import SamplingParams
+
+        while self._pending and self.engine.num_active() < self.opts.max_batch:
+            lv = self._pending.popleft()
+            if lv.rid not in self._live:  # caller already gone
+                continue
+            a = lv.args
+            try:
+                params = SamplingParams(temperature=float(a.get("temperature", 0.0) or 0.0),
+                                        top_p=float(a.get("top_p", 1.0) if a.get("top_p") is not None else 1.0),
+                                        top_k=int(a.get("top_k") or 0), seed=a.get("seed"))
+                self.engine.add_request(list(a["prompt_ids"]), params, max_tokens=int(a.get("max_tokens") or 16),
+                                        stop=a.get("stop") or None, stop_token_ids=a.get("stop_token_ids") or None,
+                                        ignore_eos=bool(a.get("ignore_eos", False)), request_id=lv.rid)
+            except Exception as e:  # bad arguments (the ingress validates; this is the last line of defence)
+                lv.finished = True
+                self._totals["rejected"] += 1
+                lv.queue.put_nowait({"error": str(e), "status": 400, "finished": True, "replica": self.replica_id})
+                continue
+            lv.admitted = True
+            self._prev_stats[lv.rid] = (0, 0, False)
+
+    def _update_shift(self) -> None:
+        route = self._route if time.time() - self._route_ts <= self.opts.route_ttl_s else {}
+        self._cluster_load = float(route.get("cluster_load", 0.0) or 0.0)
+        if self.load_sched is None:
+            return
+        others_b = sum(int(t or 0) for r, t in (route.get("tokens_by_replica") or {}).items()
+                       if r != self.replica_id)
+        others_tau = sum(float(t or 0) for r, t in (route.get("emitted_by_replica") or {}).items()
+                         if r != self.replica_id)
+        f = self.opts.shared_hardware
+        self.load_sched.set_load(round(f * others_b), f * others_tau)
+
+    def _account(self, outs, dt: float) -> None:
+        B, emitted = 0, 0
+        for o in outs:
+            st = o.stats
+            rounds0, verified0, _ = self._prev_stats.get(o.request_id, (0, 0, False))
+            if st.rounds > rounds0:  # a verification round: 1 + L tokens in the forward
+                L = st.verified - verified0
+                B += 1 + L
+                if L < len(self._depth_hist):
+                    self._depth_hist[L] += 1
+            else:  # prefill
+                B += len(o.prompt_ids)
+            emitted += len(o.new_ids)
+            if o.finished:
+                self._prev_stats.pop(o.request_id, None)
+                self._totals["finished"] += 1
+                self._totals["rounds"] += st.rounds
+                self._totals["accepted_tokens"] += st.accepted
+                self._totals["verified_tokens"] += st.verified
+                self._totals["emitted_tokens"] += st.emitted
+            else:
+                self._prev_stats[o.request_id] = (st.rounds, st.verified, True)
+        self._totals["output_tokens"] += emitted
+        self._totals["steps"] += 1
+        self._tokens_last_round = B
+        self._emitted_last_round = emitted
+        self._step_ema = dt if self._step_ema is None else 0.8 * self._step_ema + 0.2 * dt
+        self._recent.append((time.perf_counter(), dt, emitted, B))
+
+    def _dispatch(self, o) -> None:
+        lv = self._live.get(o.request_id)
+        if lv is None:  # consumer gone; _apply_aborts frees it (finished ones are already freed)
+            if not o.finished:
+                self._aborts.add(o.request_id)
+            return
+        ev = {"replica": self.replica_id, "token_ids": list(o.new_ids), "finished": o.finished}
+        if o.finished:
+            text = o.text or ""
+            ev["text"] = text[lv.sent_chars:]
+            lv.sent_chars = len(text)
+            ev.update(finish_reason=o.finish_reason, stop_reason=o.stop_reason, prompt_tokens=len(o.prompt_ids),
+                      completion_tokens=len(o.output_ids), stats=_stats_dict(o.stats),
+                      cluster_load=self._cluster_load,
+                      load_shift=self.load_sched.base_tokens if self.load_sched is not None else 0,
+                      scheduler=self.opts.scheduler if self.opts.speculative else "none", routing=lv.routing)
+            lv.finished = True
+        else:
+            text = self.tokenizer.decode(o.output_ids, skip_special_tokens=True)
+            safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence decodes to U+FFFD: wait for more
+            end = safe - lv.hold
+            ev["text"] = text[lv.sent_chars:end] if end > lv.sent_chars else ""
+            lv.sent_chars = max(lv.sent_chars, end)
+        lv.queue.put_nowait(ev)
+
+    def _fail_all(self, msg: str) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self._prev_stats.pop(rid, None)
+            lv = self._live.get(rid)
+            if lv is not None:
+                lv.finished = True
+                lv.queue.put_nowait({"error": msg, "status": 500, "finished": True, "replica": self.replica_id})
+
+
+DSparkEngine = serve.deployment(EngineReplica, name="DSparkEngine")

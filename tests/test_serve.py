@@ -1,0 +1,408 @@
+"""Ray Serve application on a real local Ray cluster and real HTTP on 127.0.0.1: two engine replicas (real SmolLM2
+target + a random-weight 1-layer DSpark drafter with a reduced vocabulary), the load-aware router and the
+OpenAI-compatible ingress.
+
+Checks: completions + chat, non-streaming and SSE streaming; the unchanged `openai` client; concurrent greedy requests
+equal the target's own greedy output (same dtype, no drafter); >= 20 malformed requests get OpenAI-style 4xx errors
+and the server keeps answering; with one replica busy the router keeps sending new requests to the idle one (not
+round-robin); a client disconnect aborts the engine request; /metrics; the vLLM (GPU) config builder; jobs.serve
+--help.  Plus unit checks of the cluster-load-aware scheduler and the router's ranking."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+GAMMA = 3
+PROMPTS = ["What is 3 + 4?", "Name a colour.", "Say hello.", "Write a haiku about the sea.",
+           "What is the capital of Italy?", "Count to five."]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ unit (no Ray)
+def test_cluster_load_makes_verification_shallower():
+    """Algorithm 1 on hardware shared with other replicas' work (B_0, τ_0): a heavier cluster admits fewer draft
+    tokens; with no load it is exactly pipeline.scheduler.greedy_prefix_search; the token budget caps B."""
+    from pipeline.scheduler import CostTable, greedy_prefix_search, survival
+    from serve_app.replica import cluster_prefix_search, make_load_aware_scheduler
+
+    # the measured fp32 curve of ENVIRONMENT.md (seconds for B tokens)
+    table = CostTable({1: 0.0426, 2: 0.0508, 4: 0.0805, 8: 0.0921, 16: 0.0995, 32: 0.1327, 64: 0.1894})
+    for c in (0.9, 0.7):
+        conf = torch.logit(torch.tensor([[c, c - 0.05, c - 0.1, c - 0.2, c - 0.3, c - 0.4, c - 0.5]] * 4,
+                                        dtype=torch.float64))
+        a = survival(torch.sigmoid(conf), [7] * 4)
+        assert cluster_prefix_search(a, table)[0] == greedy_prefix_search(a, table)[0]
+        sched = make_load_aware_scheduler("hardware", table)
+        light = sum(sched.schedule(conf, [7] * 4))
+        sched.set_load(64, 48.0)  # other replicas: 64 target tokens / 48 emitted tokens per round
+        heavy = sum(sched.schedule(conf, [7] * 4))
+        assert heavy < light, (c, light, heavy)
+        # the naive variant -- shift SPS by B_0 but ignore the others' tokens -- goes the WRONG way on this curve
+        assert sum(cluster_prefix_search(a, table, base_tokens=64)[0]) >= light
+    capped = make_load_aware_scheduler("hardware", table, budget=6)
+    assert sum(capped.schedule(conf, [7] * 4)) + 4 <= 6
+    asy = make_load_aware_scheduler("async", table)
+    for _ in range(3):
+        d = asy.schedule(conf, [7] * 4)
+    assert asy.last_capacity is not None and sum(d) + 4 <= asy.last_capacity
+
+
+def test_router_ranks_by_expected_work():
+    from serve_app.router import LoadAwareRouter
+
+    now = time.time()
+
+    from collections import namedtuple
+
+    RID = namedtuple("RID", "unique_id")
+
+    def rep(uid, stats):
+        return SimpleNamespace(replica_id=RID(uid), routing_stats=stats, max_ongoing_requests=8)
+
+    r = LoadAwareRouter.__new__(LoadAwareRouter)  # no Serve internals: scoring only
+    r._use_replica_queue_len_cache = False
+    r.initialize_state()
+    busy = rep("busy", {"ts": now, "active": 3, "queued": 0, "step_s": 0.05, "max_batch": 4, "tokens_last_round": 9})
+    idle = rep("idle", {"ts": now, "active": 0, "queued": 0, "step_s": 0.05, "max_batch": 4, "tokens_last_round": 0})
+    slow = rep("slow", {"ts": now, "active": 1, "queued": 0, "step_s": 0.5, "max_batch": 4, "tokens_last_round": 2})
+    stale = rep("stale", {"ts": now - 60, "active": 0, "queued": 0, "step_s": 0.05, "max_batch": 4})
+    assert [x["id"] for x in r.score([busy, slow, idle])] == ["idle", "busy", "slow"]
+    assert r.score([busy])[0]["load"] == 3  # 3 requests of other routers
+    for _ in range(5):  # this router's own in-flight requests count at once, before any stats report them
+        r.on_send_request(idle.replica_id)
+    assert [x["id"] for x in r.score([busy, idle])][0] == "busy"
+    assert r.score([stale])[0]["load"] == 0
+    # stats taken while 3 of OUR requests ran on "busy" do not resurrect them once they completed
+    for _ in range(3):
+        r.on_send_request(busy.replica_id)
+    busy.routing_stats = dict(busy.routing_stats, ts=time.time() + 1e-3)
+    time.sleep(0.01)
+    for _ in range(3):
+        r.on_request_completed(busy.replica_id, "x")
+    assert r.score([busy])[0]["load"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def serve_drafter(target_dir, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from pipeline.checkpoint import export_checkpoint
+    from pipeline.drafter import DSparkDrafter
+    from pipeline.drafter_config import DrafterConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_hidden_layers=1,
+                                           draft_vocab_size=4096, markov_rank=32)
+    d = DSparkDrafter.from_target(cfg, target_dir, draft_ids=torch.arange(4096))
+    with torch.no_grad():  # non-trivial heads (they start at zero); positive bias -> some drafts get verified
+        d.markov_head.markov_w2.weight.normal_(0, 0.02)
+        d.confidence_head.proj.weight.normal_(0, 0.5)
+    return export_checkpoint(d, tmp_path_factory.mktemp("drafter") / "drafter", verifier_name_or_path=str(target_dir))
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, target_dir, serve_drafter):
+    import requests
+    from ray import serve
+
+    from serve_app.app import ServeConfig, build_app
+
+    port = _free_port()
+    cfg = ServeConfig(drafter=str(serve_drafter), target=str(target_dir), replicas=2, port=port,
+                      scheduler="hardware", gamma=GAMMA, max_batch=4, threads=1, routing_stats_period_s=0.5,
+                      profile_batch_sizes=[1, 2, 4, 8, 16], default_max_tokens=32)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg), name="dspark-test", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    assert requests.get(base + "/health", timeout=30).json()["status"] == "ok"
+    try:
+        yield SimpleNamespace(base=base, url=base + "/v1", model=cfg.served_model_name(str(target_dir)))
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    """The target's own greedy continuation (no drafter, same dtype and EOS set as the replicas)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.prompts import chat_prompt_ids, end_of_turn_ids
+    from pipeline.sampling import SamplingParams
+    from pipeline.target_runner import TargetRunner
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    runner = TargetRunner.from_pretrained(str(target_dir), dtype="float32")
+    eos = set(runner.config.eos_token_ids) | set(end_of_turn_ids(tok))
+    eng = SpeculativeEngine(runner, None, None, tokenizer=tok, eos_token_ids=eos)
+
+    def greedy(prompt_ids, max_tokens):
+        return eng.generate([prompt_ids], SamplingParams(temperature=0.0), max_tokens=max_tokens)[0].output_ids
+
+    return SimpleNamespace(tok=tok, greedy=greedy, chat_ids=lambda text: chat_prompt_ids(tok, text))
+
+
+def _sse_events(resp):
+    out = []
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        line = line.decode()
+        assert line.startswith("data: "), line
+        out.append(line[6:])
+    assert out[-1] == "[DONE]"
+    return [json.loads(x) for x in out[:-1]]
+
+
+# ------------------------------------------------------------------------------------------------ HTTP
+def test_models_health(server):
+    import requests
+
+    m = requests.get(server.url + "/models").json()
+    assert m["object"] == "list" and m["data"][0]["id"] == server.model
+    assert requests.get(server.base + "/health").json()["status"] == "ok"
+
+
+def test_completions_plain_and_streaming(server, reference):
+    import requests
+
+    body = {"model": server.model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True}
+    r = requests.post(server.url + "/completions", json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    ch = d["choices"][0]
+    assert d["object"] == "text_completion" and ch["finish_reason"] in ("stop", "length")
+    assert d["usage"]["completion_tokens"] == len(ch["token_ids"]) and d["usage"]["prompt_tokens"] > 0
+    assert ch["token_ids"] == reference.greedy(ch["prompt_token_ids"], 8)
+    ds = d["dspark"]
+    assert ds["replica"] and ds["rounds"] >= 1 and ds["scheduler"] == "hardware"
+    assert 0 <= ds["mean_verified_depth"] <= GAMMA and ds["acceptance_length"] >= 1.0
+    assert r.headers["x-dspark-replica"] == ds["replica"]
+
+    rs = requests.post(server.url + "/completions", stream=True,
+                       json=dict(body, stream=True, stream_options={"include_usage": True}))
+    assert rs.status_code == 200 and rs.headers["content-type"].startswith("text/event-stream")
+    evs = _sse_events(rs)
+    assert evs[0]["dspark"]["replica"]
+    text = "".join(e["choices"][0]["text"] for e in evs if e["choices"])
+    assert text == ch["text"]
+    assert [t for e in evs if e["choices"] for t in e["choices"][0]["token_ids"]] == ch["token_ids"]
+    fin = [e for e in evs if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(fin) == 1 and fin[0]["dspark"]["rounds"] >= 1
+    assert evs[-1]["choices"] == [] and evs[-1]["usage"]["completion_tokens"] == len(ch["token_ids"])
+
+
+def test_chat_with_openai_client(server, reference):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "Say hello."}]
+    r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=10, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens >= 1
+    ids = r.choices[0].model_extra["token_ids"]
+    assert ids == reference.greedy(reference.chat_ids("Say hello."), 10)
+    assert r.model_extra["dspark"]["replica"]
+    parts = []
+    stream = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=10, temperature=0,
+                                            stream=True)
+    finish = None
+    for c in stream:
+        if c.choices:
+            parts.append(c.choices[0].delta.content or "")
+            finish = c.choices[0].finish_reason or finish
+    assert "".join(parts) == r.choices[0].message.content and finish in ("stop", "length")
+    # multi-message conversation through apply_chat_template; legacy completions through the client
+    conv = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": [{"type": "text", "text": "Bye"}]}]
+    r2 = client.chat.completions.create(model=server.model, messages=conv, max_tokens=6, temperature=0)
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    c = client.completions.create(model=server.model, prompt="1, 2, 3,", max_tokens=5, temperature=0)
+    assert c.choices[0].text and c.usage.completion_tokens <= 5
+
+
+def test_concurrent_greedy_equals_target(server, reference):
+    import openai
+
+    def one(i):
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=180)
+        p = PROMPTS[i]
+        if i % 2:
+            r = client.completions.create(model=server.model, prompt=p, max_tokens=12, temperature=0,
+                                          extra_body={"return_token_ids": True})
+        else:
+            r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": p}],
+                                               max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+        ch = r.choices[0].model_extra
+        return i, ch["prompt_token_ids"], ch["token_ids"], r.model_extra["dspark"]["replica"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        results = list(ex.map(one, range(len(PROMPTS))))
+    for i, prompt_ids, out_ids, _ in results:
+        if i % 2 == 0:
+            assert prompt_ids == reference.chat_ids(PROMPTS[i])
+        assert out_ids == reference.greedy(prompt_ids, 12), f"prompt {i} differs from the target's greedy output"
+    assert len({rep for *_, rep in results}) == 2, "both replicas should have served some of the requests"
+
+
+BAD = [
+    # (path, raw body or json-able, expected status)
+    ("/completions", b"{not json", 400),
+    ("/completions", b"", 400),
+    ("/completions", b"[1, 2]", 400),
+    ("/completions", {"prompt": "hi"}, 400),  # missing model
+    ("/completions", {"model": "no-such-model", "prompt": "hi"}, 404),
+    ("/completions", {"model": 123, "prompt": "hi"}, 400),
+    ("/completions", {"model": "M"}, 400),  # missing prompt
+    ("/completions", {"model": "M", "prompt": ""}, 400),
+    ("/completions", {"model": "M", "prompt": []}, 400),
+    ("/completions", {"model": "M", "prompt": [10 ** 9]}, 400),
+    ("/completions", {"model": "M", "prompt": {"a": 1}}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "max_tokens": -5}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "max_tokens": 10 ** 9}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "max_tokens": "ten"}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "max_tokens": 3.5}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "max_tokens": True}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "temperature": 3.0}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "temperature": -0.1}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "temperature": "hot"}, 400),
+    ("/completions", b'{"model": "M", "prompt": "hi", "temperature": NaN}', 400),
+    ("/completions", {"model": "M", "prompt": "hi", "top_p": 0}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "top_k": "x"}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "stream": "yes"}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "n": 2}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "stop": 5}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "logprobs": 5}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ("/completions", {"model": "M", "prompt": "word " * 3000, "max_tokens": 4}, 400),  # over-long prompt
+    ("/chat/completions", {"model": "M"}, 400),  # missing messages
+    ("/chat/completions", {"model": "M", "messages": []}, 400),
+    ("/chat/completions", {"model": "M", "messages": "hi"}, 400),
+    ("/chat/completions", {"model": "M", "messages": [{"content": "hi"}]}, 400),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": 42}]}, 400),
+    ("/chat/completions", {"model": "M", "messages": ["hi"]}, 400),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}],
+                           "max_completion_tokens": 10 ** 7}, 400),
+]
+
+
+def test_bad_inputs_get_openai_errors(server):
+    import requests
+
+    for path, body, status in BAD:
+        if isinstance(body, dict):
+            body = json.dumps({k: (server.model if v == "M" and k == "model" else v) for k, v in body.items()})
+        else:
+            body = body.replace(b'"M"', json.dumps(server.model).encode())
+        r = requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (path, body[:200], r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        assert err["type"] == "invalid_request_error"
+    r = requests.get(server.url + "/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = requests.post(server.url + "/nothing", json={})
+    assert r.status_code == 404 and "error" in r.json()
+    assert len(BAD) + 2 >= 20
+    # still serving
+    r = requests.post(server.url + "/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_router_prefers_idle_replica_and_disconnect_aborts(server):
+    import requests
+
+    long_body = {"model": server.model, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                 "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    long = requests.post(server.url + "/chat/completions", json=long_body, stream=True, timeout=120)
+    lines = long.iter_lines()
+    first = next(x for x in lines if x)
+    busy = json.loads(first.decode()[6:])["dspark"]["replica"]
+    next(x for x in lines if x)  # a content chunk: the long request is decoding
+    picked = []
+    for _ in range(3):  # round-robin would alternate; least-expected-work keeps choosing the idle replica
+        r = requests.post(server.url + "/completions",
+                          json={"model": server.model, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200
+        picked.append((r.json()["dspark"]["replica"], r.json()["dspark"]["routing"]))
+    assert all(p != busy for p, _ in picked), json.dumps([busy, picked])
+
+    long.close()  # client disconnect mid-stream -> the engine request is aborted and its slot freed
+
+    def replica_metrics():
+        txt = requests.get(server.base + "/metrics").text
+        vals = {}
+        for line in txt.splitlines():
+            if line.startswith(("dspark_replica_active_requests{", "dspark_replica_total{")) and busy in line:
+                vals[line.split(" ")[0]] = float(line.split(" ")[1])
+        return vals, txt
+
+    deadline = time.time() + 30
+    while True:
+        vals, txt = replica_metrics()
+        aborted = vals.get(f'dspark_replica_total{{replica="{busy}",counter="aborted"}}', 0)
+        active = vals.get(f'dspark_replica_active_requests{{replica="{busy}"}}', -1)
+        if aborted >= 1 and active == 0:
+            break
+        assert time.time() < deadline, f"abort not seen: {vals}"
+        time.sleep(0.5)
+    for name in ("dspark_output_tokens_per_second", "dspark_acceptance_length", "dspark_verified_depth_bucket",
+                 "dspark_replica_queue_depth", "dspark_sps{", "dspark_ttft_seconds_bucket"):
+        assert name in txt, name
+
+
+# ------------------------------------------------------------------------------------------------ config / CLI
+def test_vllm_engine_config(serve_drafter, target_dir):
+    from serve_app.app import ServeConfig, validate_vllm_config, vllm_engine_config, vllm_llm_config
+
+    cfg = ServeConfig(engine="vllm", drafter=str(serve_drafter), target=str(target_dir), gamma=GAMMA, gpu=True)
+    d = vllm_engine_config(cfg)
+    assert d["model"] == str(target_dir) and d["max_num_seqs"] == cfg.max_batch
+    assert d["speculative_config"] == {"method": "dspark", "model": str(serve_drafter), "num_speculative_tokens": GAMMA,
+                                       "draft_sample_method": "probabilistic", "rejection_sample_method": "standard",
+                                       "enable_adaptive_verification": True}
+    assert vllm_llm_config(cfg)["engine_kwargs"]["speculative_config"]["method"] == "dspark"
+    assert vllm_engine_config(ServeConfig(engine="vllm", drafter=str(serve_drafter), target=str(target_dir),
+                                          scheduler="fixed"))["speculative_config"]["num_speculative_tokens"] == 7
+    for bad in ({"num_speculative_tokens": 99}, {"method": "eagle"}, {"bogus_field": 1}):
+        with pytest.raises(ValueError):
+            validate_vllm_config(dict(d, speculative_config=dict(d["speculative_config"], **bad)))
+    with pytest.raises(ValueError):
+        validate_vllm_config(dict(d, not_an_engine_arg=1))
+    with pytest.raises(ValueError):
+        ServeConfig(scheduler="magic")
+    with pytest.raises(ValueError):
+        ServeConfig(replicas=0)
+    if not torch.cuda.is_available():
+        from serve_app.app import build_app
+
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            build_app(cfg)
+
+
+def test_jobs_serve_help():
+    r = subprocess.run([sys.executable, "-m", "jobs.serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for flag in ("--drafter", "--replicas", "--port", "--scheduler", "--gamma", "--engine", "ray job submit"):
+        assert flag in r.stdout, flag
