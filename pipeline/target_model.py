@@ -98,14 +98,10 @@ def num_layers(target_dir: Path) -> int:
 
 
 def default_aux_layer_ids(n_layers: int, n: int = 3) -> list[int]:
-    """DFlash's rule (DSPARK.md §1) in our convention: DeepSpec's 0-based layer ids round(1 + i(L-4)/(n-1)), i<n,
-    spread from layer 1 to layer L-3, are raw layer OUTPUTS, i.e. our ids are theirs + 1."""
-    if n_layers < 5:
-        ids = sorted({max(1, min(n_layers, round(1 + i * (n_layers - 1) / max(1, n - 1)))) for i in range(n)})
-        return ids
-    if n == 1:
-        return [1 + 1]
-    return [round(1 + i * (n_layers - 4) / (n - 1)) + 1 for i in range(n)]
+    """DFlash's rule (DSPARK.md §1) in our id convention; one implementation, in pipeline.drafter_config."""
+    from pipeline.drafter_config import dflash_layer_ids
+
+    return dflash_layer_ids(n_layers, n)
 
 
 def parse_layer_ids(spec: str | list | None, n_layers: int, n_default: int = 3) -> list[int]:
