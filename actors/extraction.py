@@ -144,13 +144,9 @@ def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tenso
 
 def open_store(cfg: ExtractConfig, endpoint=None):
     """The store named by the config (disk folder, or Mooncake at ``endpoint``)."""
-    if cfg.store == "disk":
-        from pipeline.disk_store import DiskHiddenStore
+    from pipeline.hidden_store import open_hidden_store
 
-        return DiskHiddenStore(cfg.out)
-    from pipeline.mooncake_store import MooncakeHiddenStore
-
-    return MooncakeHiddenStore(cfg.mooncake_prefix, endpoint)
+    return open_hidden_store(cfg.store, cfg.out, cfg.mooncake_prefix, endpoint)
 
 
 def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:

@@ -79,15 +79,10 @@ class TrainConfig:
 
 # ---- data -------------------------------------------------------------------------------------------------------
 def open_store(cfg: TrainConfig):
-    if cfg.store == "disk":
-        from pipeline.disk_store import DiskHiddenStore
+    from pipeline.hidden_store import open_hidden_store
 
-        return DiskHiddenStore(cfg.data)
-    from pipeline.mooncake_store import MooncakeHiddenStore
-
-    if not (cfg.mooncake_master and cfg.mooncake_metadata):
-        raise ValueError("--store mooncake needs --mooncake-master and --mooncake-metadata")
-    return MooncakeHiddenStore(cfg.mooncake_prefix, master_addr=cfg.mooncake_master, metadata_url=cfg.mooncake_metadata)
+    return open_hidden_store(cfg.store, cfg.data, cfg.mooncake_prefix, master_addr=cfg.mooncake_master,
+                             metadata_url=cfg.mooncake_metadata)
 
 
 def is_holdout(sample_id: str, frac: float) -> bool:
