@@ -128,21 +128,26 @@ def sorted_candidates(a: torch.Tensor) -> list:
     return ents
 
 
-def greedy_prefix_search(a: torch.Tensor, cost: CostTable, early_stop: bool = True):
+def greedy_prefix_search(a: torch.Tensor, cost: CostTable, early_stop: bool = True, base_tokens: int = 0,
+                         base_tau: float = 0.0, budget: int | None = None):
     """Algorithm 1.  Returns (depths, K) where K is the number of admitted draft tokens.
 
     early_stop=True: stop at the first candidate that does not raise Θ = τ·SPS(B) (lossless).  False: walk the whole
     sorted list and keep the best prefix (the 'unconstrained' search; lossy if used on current confidences).
+    base_tokens / base_tau: target tokens and emitted tokens per round of OTHER work on the same hardware, so that
+    Θ = (base_tau + τ)·SPS(base_tokens + B) (0, 0 = the paper's Algorithm 1); budget caps B (this batch's tokens).
     """
     R = a.shape[0]
     ents = sorted_candidates(a)
     B, tau = R, float(R)
-    best = tau * cost.sps(B)
+    best = (base_tau + tau) * cost.sps(base_tokens + B)
     best_k = 0
     for k, (v, r, j) in enumerate(ents, start=1):
         B += 1
         tau += v
-        th = tau * cost.sps(B)
+        if budget is not None and B > budget:
+            break
+        th = (base_tau + tau) * cost.sps(base_tokens + B)
         if th > best:
             best, best_k = th, k
         elif early_stop:

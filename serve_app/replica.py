@@ -116,29 +116,12 @@ def cluster_prefix_search(a, cost, base_tokens: int = 0, base_tau: float = 0.0, 
                           early_stop: bool = True):
     """Algorithm 1 (DSPARK.md §7) with the hardware shared by other work: Θ = (τ_0 + τ)·SPS(B_0 + B), where B_0 /
     τ_0 are the target tokens per round / tokens emitted per round of the OTHER replicas on the same hardware.
-    B_0 = τ_0 = 0 is exactly ``pipeline.scheduler.greedy_prefix_search``.  ``budget`` caps this replica's B.
+    B_0 = τ_0 = 0 is exactly the paper's algorithm.  ``budget`` caps this replica's B.
     Returns (depths, K admitted candidates)."""
-    from pipeline.scheduler import sorted_candidates
+    from pipeline.scheduler import greedy_prefix_search
 
-    R = a.shape[0]
-    ents = sorted_candidates(a)
-    B, tau = R, float(R)
-    best = (base_tau + tau) * cost.sps(base_tokens + B)
-    best_k = 0
-    for k, (v, r, j) in enumerate(ents, start=1):
-        B += 1
-        tau += v
-        if budget is not None and B > budget:
-            break
-        th = (base_tau + tau) * cost.sps(base_tokens + B)
-        if th > best:
-            best, best_k = th, k
-        elif early_stop:
-            break
-    depths = [0] * R
-    for v, r, j in ents[:best_k]:
-        depths[r] = max(depths[r], j)
-    return depths, best_k
+    return greedy_prefix_search(a, cost, early_stop=early_stop, base_tokens=base_tokens, base_tau=base_tau,
+                                budget=budget)
 
 
 class _ClusterLoad:
