@@ -13,14 +13,7 @@ torch.set_num_threads(1)  # tiny shapes: threads only add contention on the shar
 
 V, D, G = 256, 64, 4
 
-
-def tiny_target():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=D, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
-    return LlamaForCausalLM(cfg).eval()
+from tiny_target import tiny_target  # noqa: E402
 
 
 def tiny_cfg(**kw):
