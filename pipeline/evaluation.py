@@ -103,14 +103,10 @@ def summarize(records: list[dict], gamma: int) -> dict:
 
 
 def confidence_metrics(records: list[dict], gamma: int) -> dict:
+    from pipeline.calibration import full_length_rounds
     from pipeline.confidence_head import calibration_report
 
-    z, y = [], []
-    for r in records:
-        for rd in r["rounds"]:
-            if rd["conf"] is not None and rd["L"] == gamma:  # full-length rounds only (no truncation bias)
-                z.append(rd["conf"][:gamma])
-                y.append([1.0 if k < rd["m"] else 0.0 for k in range(gamma)])
+    z, y = full_length_rounds([rd for r in records for rd in r["rounds"]], gamma)
     if len(z) < 2:
         return {}
     rep = calibration_report(torch.tensor(z), torch.tensor(y))
@@ -231,16 +227,13 @@ def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n
     fig, ax = plt.subplots(figsize=(4.5, 4.2))
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)
     for name, gamma in systems:
-        z, y = [], []
-        for r in records[name]:
-            for rd in r["rounds"]:
-                if rd["conf"] is not None and rd["L"] == gamma:
-                    a = torch.sigmoid(torch.tensor(rd["conf"][:gamma])).cumprod(0)
-                    z += a.tolist()
-                    y += [1.0 if k < rd["m"] else 0.0 for k in range(gamma)]
-        if not z:
+        from pipeline.calibration import full_length_rounds
+
+        logits, labels = full_length_rounds([rd for r in records[name] for rd in r["rounds"]], gamma)
+        if not logits:
             continue
-        z, y = torch.tensor(z), torch.tensor(y)
+        z = torch.sigmoid(torch.tensor(logits)).cumprod(-1).flatten()  # prefix survival a_k
+        y = torch.tensor(labels).flatten()
         bins = torch.clamp((z * n_bins).long(), max=n_bins - 1)
         xs, ys = [], []
         for b in range(n_bins):
