@@ -25,6 +25,8 @@ class GenerateConfig:
     out: Path = field(default=Path("work/responses"), metadata={"help": "output folder (Parquet shards + manifest)"})
     target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
     limit: int | None = field(default=None, metadata={"help": "use at most this many prompts (over all files)"})
+    limit_per_file: int | None = field(default=None, metadata={
+        "help": "use at most this many prompts from each file (the first N valid ones), for a balanced mix"})
     max_new_tokens: int = field(default=256, metadata={"help": "response length cap"})
     max_model_len: int = field(default=2048, metadata={"help": "context length of the vLLM engine"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0 = greedy)"})
@@ -83,7 +85,7 @@ def run_generation(cfg: GenerateConfig) -> dict:
 
     target = resolve_target(cfg.target)
     prompt_files = cfg.prompts or [DEFAULT_PROMPTS]
-    rows, skips = read_prompt_files(prompt_files, cfg.limit)
+    rows, skips = read_prompt_files(prompt_files, cfg.limit, cfg.limit_per_file)
     tok = AutoTokenizer.from_pretrained(target)
     max_prompt = cfg.max_model_len - cfg.max_new_tokens
     if max_prompt <= 0:
@@ -95,8 +97,8 @@ def run_generation(cfg: GenerateConfig) -> dict:
     done = shards.done_ids()
     pending = [r for r in requests if r["request_id"] not in done]
     meta = dict(stage="responses", target=str(target), prompt_files=[str(p) for p in prompt_files],
-                limit=cfg.limit, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                top_k=cfg.top_k, seed=cfg.seed, num_requests=len(requests), num_skipped=len(skips))
+                limit=cfg.limit, limit_per_file=cfg.limit_per_file, max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, num_requests=len(requests), num_skipped=len(skips))
     # skips are recorded next to the data (not silently dropped) - rewritten whole each run, atomically
     skip_table = pa.Table.from_pylist([s.__dict__ for s in skips], schema=SKIP_SCHEMA)
     import io

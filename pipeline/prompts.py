@@ -36,8 +36,10 @@ def _file_tags(paths: list[Path]) -> list[str]:
     return [s if stems.count(s) == 1 else f"{s}#{i}" for i, s in enumerate(stems)]
 
 
-def read_prompt_files(paths: Iterable[str | Path], limit: int | None = None) -> tuple[list[PromptRow], list[Skip]]:
-    """Read prompts in file order.  ``limit`` caps the number of *valid* prompts (over all files, in order)."""
+def read_prompt_files(paths: Iterable[str | Path], limit: int | None = None,
+                      limit_per_file: int | None = None) -> tuple[list[PromptRow], list[Skip]]:
+    """Read prompts in file order.  ``limit`` caps the number of *valid* prompts (over all files, in order);
+    ``limit_per_file`` caps each file (the first N valid prompts of each), for a balanced mix of sources."""
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("no prompt files given")
@@ -47,10 +49,13 @@ def read_prompt_files(paths: Iterable[str | Path], limit: int | None = None) -> 
     rows: list[PromptRow] = []
     skips: list[Skip] = []
     for path, tag in zip(paths, _file_tags(paths)):
+        start = len(rows)
         with open(path, encoding="utf-8") as f:
             for lineno, raw in enumerate(f, 1):
                 if limit is not None and len(rows) >= limit:
                     return rows, skips
+                if limit_per_file is not None and len(rows) - start >= limit_per_file:
+                    break
                 if not raw.strip():
                     continue
                 rid = f"{tag}:{lineno}"

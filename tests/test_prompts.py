@@ -33,6 +33,8 @@ def test_limit_and_duplicate_stems(tmp_path):
         (tmp_path / d / "x.jsonl").write_text("".join(json.dumps({"prompt": f"{d}{i}"}) + "\n" for i in range(3)))
     rows, _ = read_prompt_files([tmp_path / "a" / "x.jsonl", tmp_path / "b" / "x.jsonl"], limit=4)
     assert len(rows) == 4 and len({r.request_id for r in rows}) == 4
+    rows, _ = read_prompt_files([tmp_path / "a" / "x.jsonl", tmp_path / "b" / "x.jsonl"], limit_per_file=2)
+    assert [r.text for r in rows] == ["a0", "a1", "b0", "b1"]
 
 
 def test_layer_id_rule():
