@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 
 from actors.vllm_engine import actor_runtime_env, build_llm
+from pipeline.placement import INFERENCE, role_resources
 from pipeline.hidden_store import bytes_per_token, tensor_from_bytes, tensor_to_bytes
 
 _IN_SCHEMA = pa.schema([("request_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
@@ -51,7 +52,7 @@ class ExtractConfig:
     threads: int | None = field(default=None, metadata={
         "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
-        "help": "extra Ray resources per actor as JSON, e.g. '{\"inference\": 1}'"})
+        "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
     limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
 
@@ -192,7 +193,8 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
         ray.data.DataContext.get_current().enable_progress_bars = False
         ds = ray.data.from_arrow(pa.Table.from_pylist(todo, schema=_IN_SCHEMA))
         ds = ds.repartition(max(1, (len(todo) + cfg.batch_size - 1) // cfg.batch_size))
-        resources = json.loads(cfg.actor_resources) if cfg.actor_resources else None
+        resources = role_resources(INFERENCE, cfg.actor_resources, "actor-resources")
+        print(f"[extract] {cfg.pool_size} extractor actor(s), resources {resources or 'unconstrained'}")
         ds = ds.map_batches(VLLMExtractor, batch_format="pyarrow", batch_size=cfg.batch_size,
                             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
                             **({"resources": resources} if resources else {}),

@@ -17,6 +17,7 @@ import itertools
 import ray
 
 from actors.extraction import VLLMExtractor, row_to_sample
+from pipeline.placement import INFERENCE, role_resources
 
 
 class _ExtractionWorker:
@@ -59,7 +60,9 @@ class ExtractionService:
 
         ep = endpoint.to_dict() if hasattr(endpoint, "to_dict") else dict(endpoint)
         # the worker's Mooncake client must bind loopback only: the shim has to be preloaded at process start
-        cls = ray.remote(num_cpus=num_cpus, resources=resources or {},
+        if resources is None:
+            resources = role_resources(INFERENCE)
+        cls = ray.remote(num_cpus=num_cpus, resources=resources,
                          runtime_env=actor_runtime_env(None, loopback_preload_env({})))(_ExtractionWorker)
         self.workers = [cls.remote(str(target), list(layer_ids), num_layers(target), max_model_len, ep, prefix, kind)
                         for _ in range(num_workers)]

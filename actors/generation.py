@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from actors.vllm_engine import actor_runtime_env, build_llm, request_seed
+from pipeline.placement import INFERENCE, role_resources
 from pipeline.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
 
 
@@ -39,7 +40,7 @@ class GenerateConfig:
     threads: int | None = field(default=None, metadata={
         "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
-        "help": "extra Ray resources per actor as JSON, e.g. '{\"inference\": 1}' to pin to inference nodes"})
+        "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
     rows_per_shard: int = field(default=64, metadata={"help": "rows per Parquet shard (the unit of resumption)"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
     max_rows: int | None = field(default=None, metadata={
@@ -123,7 +124,8 @@ def run_generation(cfg: GenerateConfig) -> dict:
             pending, schema=pa.schema([("request_id", pa.string()), ("source_file", pa.string()),
                                        ("prompt_ids", pa.list_(pa.int32()))])))
         ds = ds.repartition(max(1, (len(pending) + cfg.batch_size - 1) // cfg.batch_size))
-        resources = json.loads(cfg.actor_resources) if cfg.actor_resources else None
+        resources = role_resources(INFERENCE, cfg.actor_resources, "actor-resources")
+        print(f"[generate] {cfg.pool_size} vLLM actor(s), resources {resources or 'unconstrained'}")
         ds = ds.map_batches(
             VLLMGenerator, batch_format="pyarrow", batch_size=cfg.batch_size,
             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,

@@ -31,6 +31,12 @@ class MiniatureConfig:
     eval_prompts: int = field(default=4, metadata={"help": "prompts evaluated (baseline vs dspark)"})
     eval_tokens: int = field(default=64, metadata={"help": "tokens generated per evaluated prompt"})
     serve_port: int = field(default=8000, metadata={"help": "HTTP port of the Serve app (127.0.0.1)"})
+    inference_actors: int = field(default=1, metadata={
+        "help": "vLLM actors for generate and extract (on a cluster with inference nodes: one per node)"})
+    train_workers: int = field(default=1, metadata={"help": "Ray Train workers"})
+    stages: str = field(default="all", metadata={
+        "help": "comma-separated subset of generate,extract,train,calibrate,evaluate,serve (with --store mooncake, "
+                "extract and train run together) or 'all'"})
     force: bool = field(default=False, metadata={"help": "rerun stages even if their output is complete"})
     address: str | None = field(default=None, metadata={"help": "Ray address (default: a local ray.init())"})
 
@@ -45,6 +51,10 @@ def main(argv=None):
     from pipeline.shards import ShardSet
 
     cfg = parse_config(MiniatureConfig, argv, description=__doc__)
+    known = ["generate", "extract", "train", "calibrate", "evaluate", "serve"]
+    wanted = set(known) if cfg.stages == "all" else {s.strip() for s in cfg.stages.split(",") if s.strip()}
+    if wanted - set(known):
+        raise ValueError(f"--stages: unknown stage(s) {sorted(wanted - set(known))}; choose from {known}")
     w = cfg.work.resolve()
     w.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.address)
@@ -53,6 +63,9 @@ def main(argv=None):
 
     def stage(name, complete, fn):
         t = time.time()
+        if not wanted & set(name.split(" ")[0].split("+")):
+            summary.append((name, "not selected (--stages)", 0.0))
+            return
         if complete and not cfg.force:
             summary.append((name, "skipped (complete)", 0.0))
             print(f"\n=== {name}: complete, skipped (use --force to redo)", flush=True)
@@ -65,13 +78,14 @@ def main(argv=None):
     drafter = train_dir / "drafter"
     tgt = ["--target", cfg.target] if cfg.target else []
     gen = GenerateConfig(prompts=cfg.prompts, out=resp, target=cfg.target, max_new_tokens=cfg.max_new_tokens,
-                         address=cfg.address)
+                         pool_size=cfg.inference_actors, address=cfg.address)
     stage("generate", ShardSet(resp, "request_id").has_manifest(), lambda: run_generation(gen))
 
     train_args = ["--out", str(train_dir), "--max-steps", str(cfg.train_steps), "--seqs-per-step", "4",
                   "--num-anchors", "32", "--holdout-frac", "0.15", "--checkpoint-every", "20", "--log-every", "5",
-                  *tgt]
-    ext = ExtractConfig(responses=resp, out=hidden, target=cfg.target, address=cfg.address, store=cfg.store)
+                  "--workers", str(cfg.train_workers), *tgt]
+    ext = ExtractConfig(responses=resp, out=hidden, target=cfg.target, address=cfg.address, store=cfg.store,
+                        pool_size=cfg.inference_actors)
 
     def train(extra):
         from jobs.train import main as train_main

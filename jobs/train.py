@@ -7,8 +7,6 @@ continues from the latest with identical optimizer/scheduler state), plan.json (
 exported drafter checkpoint `drafter/` (speculators / vLLM `method: dspark` format)."""
 from __future__ import annotations
 
-import json
-
 from pipeline.runtime import apply_env
 
 
@@ -20,6 +18,7 @@ def main(argv=None):
     from pipeline.config_cli import parse_config
     from pipeline.runtime import init_ray
     from pipeline.shards import atomic_write_json
+    from pipeline.placement import TRAINING, role_resources
     from pipeline.training import TrainConfig, latest_checkpoint, plan, plot_metrics, train_loop_per_worker
 
     cfg = parse_config(TrainConfig, argv, description=__doc__)
@@ -41,13 +40,14 @@ def main(argv=None):
     print(f"[train] {len(p['train_ids'])} training / {len(p['holdout_ids'])} held-out samples, "
           f"{p['total_steps']} steps; {p['draft_vocab_report']}")
     atomic_write_json(cfg.out / "plan.json", {k: v for k, v in p.items() if k != "train"} | {"config": p["train"]})
-    resources = json.loads(cfg.worker_resources) if cfg.worker_resources else None
+    resources = role_resources(TRAINING, cfg.worker_resources, "worker-resources")
+    print(f"[train] {cfg.workers} worker(s), resources {resources or 'unconstrained'}")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=p | {"resume_from": str(resume_from) if resume_from else None},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=False,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **(resources or {})}),
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **resources}),
         run_config=RunConfig(name="train", storage_path=str(cfg.out / "ray"),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )

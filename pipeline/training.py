@@ -66,7 +66,8 @@ class TrainConfig:
     workers: int = field(default=1, metadata={"help": "Ray Train workers (DDP over gloo)"})
     cpus_per_worker: int = field(default=2, metadata={"help": "CPUs (torch threads) per worker"})
     worker_resources: str | None = field(default=None, metadata={
-        "help": "extra Ray resources per worker as JSON, e.g. '{\"training\": 1}'"})
+        "help": "extra Ray resources per worker as JSON, or auto: {\"training\": 1} when the cluster declares "
+                "training nodes, else none (see pipeline/placement.py); {} = no constraint"})
     seed: int = field(default=42, metadata={"help": "seed (init, data order, anchors)"})
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --out"})
     stop_after: int | None = field(default=None, metadata={
