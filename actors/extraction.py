@@ -46,6 +46,9 @@ class ExtractConfig:
                 "default: DFlash rule with 3 layers"})
     extractor: str = field(default="vllm", metadata={"help": "extractor", "choices": ["vllm", "hf"]})
     max_model_len: int = field(default=2048, metadata={"help": "longest sample in tokens (longer ones are skipped)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "engine compute precision; auto = bf16 on GPU / CPUs with native bf16, else fp32 (5x faster here)",
+        "choices": ["auto", "float32", "bfloat16", "float16"]})
     batch_size: int = field(default=16, metadata={"help": "samples per extractor call"})
     pool_size: int = field(default=1, metadata={"help": "number of extractor actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per extractor actor"})
@@ -79,13 +82,14 @@ def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 class VLLMExtractor:
     """Ray Data actor: pa.Table (request_id, input_ids, loss_mask) -> serialized sample tensors."""
 
-    def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, kind: str = "vllm"):
+    def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, kind: str = "vllm",
+                 dtype: str = "auto"):
         self.layer_ids = list(layer_ids)
         self.kind = kind
         self.want = sorted(set(self.layer_ids) | {n_layers})  # layer L always, for the final hidden state
         self.norm_w, self.eps = _final_norm(target)
         if kind == "vllm":
-            self.llm = build_llm(target, max_model_len=max_model_len + 1, extract_layer_ids=self.want)
+            self.llm = build_llm(target, max_model_len=max_model_len + 1, extract_layer_ids=self.want, dtype=dtype)
         else:
             from pipeline.hf_extractor import HFExtractor
 
@@ -182,6 +186,7 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
     print(f"[extract] layers {layer_ids} of {L}; {len(done)} samples already stored, {len(todo)} to extract")
     meta = dict(stage="hidden_states", target=str(target), layer_ids=layer_ids, num_target_layers=L,
                 hidden_size=hidden, aux_dim=hidden * len(layer_ids), extractor=cfg.extractor,
+                compute_dtype=cfg.dtype,
                 responses=str(cfg.responses), response_manifest_rows=resp_manifest.get("num_rows"),
                 skipped_too_long=too_long, bytes_per_token=bytes_per_token(len(layer_ids), hidden))
     t0, ntok = time.time(), 0
@@ -200,7 +205,8 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
                             **({"resources": resources} if resources else {}),
                             runtime_env=actor_runtime_env(cfg.threads),
                             fn_constructor_kwargs=dict(target=str(target), layer_ids=layer_ids, n_layers=L,
-                                                       max_model_len=cfg.max_model_len, kind=cfg.extractor))
+                                                       max_model_len=cfg.max_model_len, kind=cfg.extractor,
+                                                       dtype=cfg.dtype))
         bar = tqdm(total=len(todo), desc="extract", unit="sample", dynamic_ncols=True)
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for row in batch.to_pylist():

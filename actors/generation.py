@@ -34,6 +34,9 @@ class GenerateConfig:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
     top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
     seed: int = field(default=0, metadata={"help": "base seed; each request's seed derives from it and its id"})
+    dtype: str = field(default="auto", metadata={
+        "help": "engine compute precision; auto = bf16 on GPU / CPUs with native bf16, else fp32 (5x faster here)",
+        "choices": ["auto", "float32", "bfloat16", "float16"]})
     batch_size: int = field(default=16, metadata={"help": "prompts per vLLM generate call (Ray Data batch)"})
     pool_size: int = field(default=1, metadata={"help": "number of vLLM generator actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per generator actor"})
@@ -51,8 +54,8 @@ class VLLMGenerator:
     """Ray Data actor: pa.Table batch (request_id, source_file, prompt_ids) -> response rows."""
 
     def __init__(self, target: str, max_model_len: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int):
-        self.llm = build_llm(target, max_model_len=max_model_len, seed=seed)
+                 top_k: int, seed: int, dtype: str = "auto"):
+        self.llm = build_llm(target, max_model_len=max_model_len, seed=seed, dtype=dtype)
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1)
 
@@ -99,7 +102,8 @@ def run_generation(cfg: GenerateConfig) -> dict:
     pending = [r for r in requests if r["request_id"] not in done]
     meta = dict(stage="responses", target=str(target), prompt_files=[str(p) for p in prompt_files],
                 limit=cfg.limit, limit_per_file=cfg.limit_per_file, max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, num_requests=len(requests), num_skipped=len(skips))
+                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                dtype=cfg.dtype, seed=cfg.seed, num_requests=len(requests), num_skipped=len(skips))
     # skips are recorded next to the data (not silently dropped) - rewritten whole each run, atomically
     skip_table = pa.Table.from_pylist([s.__dict__ for s in skips], schema=SKIP_SCHEMA)
     import io
@@ -132,7 +136,7 @@ def run_generation(cfg: GenerateConfig) -> dict:
             **({"resources": resources} if resources else {}), runtime_env=actor_runtime_env(cfg.threads),
             fn_constructor_kwargs=dict(target=str(target), max_model_len=cfg.max_model_len,
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed))
+                                       top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, dtype=cfg.dtype))
         buffer: list[pa.Table] = []
         buffered = 0
         t0, ntok = time.time(), 0

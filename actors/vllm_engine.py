@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 
-from pipeline.runtime import apply_env
+from pipeline.runtime import apply_env, default_compute_dtype
 
 
-def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "bfloat16", extract_layer_ids=None,
+def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "auto", extract_layer_ids=None,
               kv_cache_gb: float | None = None):
     """The engine's OpenMP thread count comes from OMP_NUM_THREADS at process start (see actor_runtime_env): vLLM's
     CPU attention checks that the thread count it planned with equals the one it runs with, and Ray runs actor
@@ -21,6 +21,8 @@ def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "bflo
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
     from vllm import LLM
 
+    if dtype == "auto":  # NOT vLLM's "auto" (the checkpoint's dtype): the fastest precision on this hardware
+        dtype = default_compute_dtype()
     kwargs = dict(model=str(target), dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed)
     try:
         import torch

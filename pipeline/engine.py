@@ -155,6 +155,7 @@ class EngineTimers:
     target_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    skipped_drafts: int = 0  # rounds in which the scheduler could verify nothing, so nothing was drafted
 
     @property
     def overhead_s(self) -> float:
@@ -319,6 +320,9 @@ class SpeculativeEngine:
             max_depth[r.request_id] = max(0, md)
             depths[r.request_id] = 0
         spec = [r for r in decode if max_depth[r.request_id] > 0] if self.drafter is not None else []
+        if spec and not self.scheduler.draft_this_round(len(spec)):
+            self.timers.skipped_drafts += 1
+            spec = []
         if spec:
             t0 = time.perf_counter()
             prop_tokens, prop_q, conf, draft_ids, q_row = self._propose(spec)

@@ -114,6 +114,29 @@ def ray_start_head_command(port: int = 6379, dashboard_port: int = 8265, resourc
     return cmd
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bf16 natively (AVX512-BF16 or AMX).  Without it, bf16 GEMMs are emulated."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_compute_dtype() -> str:
+    """Compute precision for target engines when the user says ``auto``: bf16 on a GPU or a CPU with native bf16,
+    else fp32 (measured on this 2-core AVX2 machine: vLLM generation 109 tok/s in fp32 vs 22.5 tok/s in bf16,
+    32 requests x 64 tokens).  Stored hidden states are bf16 either way."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "bfloat16"
+    except ImportError:  # pragma: no cover
+        pass
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
 def torch_threads(n: int | None = None) -> None:
     """Pin torch intra-op threads (default: all cores of this machine, at most 16)."""
     import torch

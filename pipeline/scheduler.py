@@ -168,6 +168,11 @@ class VerificationScheduler:
     def schedule(self, conf_logits: torch.Tensor | None, max_depth: Sequence[int]) -> list:
         raise NotImplementedError
 
+    def draft_this_round(self, num_requests: int) -> bool:
+        """False when this round will verify no draft whatever the drafter proposes: the engine then skips the
+        drafting round (block forward, sequential loop, confidences) and decodes one token per request."""
+        return True
+
     def reset(self) -> None:
         pass
 
@@ -182,6 +187,9 @@ class FixedDepth(VerificationScheduler):
 
     def schedule(self, conf_logits, max_depth):
         return [int(m) if self.k is None else min(int(self.k), int(m)) for m in max_depth]
+
+    def draft_this_round(self, num_requests):
+        return self.k is None or self.k > 0
 
 
 class StaticThreshold(VerificationScheduler):
@@ -239,7 +247,7 @@ class AsyncCapacity(VerificationScheduler):
     needs_confidence = True
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, lag: int = 2,
-                 initial_capacity: int | None = None):
+                 initial_capacity: int | None = None, refresh_every: int = 4):
         if lag < 1:
             raise ValueError("lag must be >= 1 (lag 0 would use the current tokens: lossy)")
         self.cost = cost
@@ -248,9 +256,22 @@ class AsyncCapacity(VerificationScheduler):
         self.initial_capacity = initial_capacity
         self._hist: deque = deque(maxlen=lag)
         self.last_capacity = None
+        self.refresh_every = refresh_every
+        self._skipped = 0
 
     def reset(self):
         self._hist.clear()
+        self._skipped = 0
+
+    def draft_this_round(self, num_requests):
+        """Skip drafting while the lagged capacity leaves no verify token beyond the R bonus tokens; every
+        ``refresh_every``-th such round drafts anyway so the capacity history follows the load."""
+        cap = self.capacity()
+        if cap is None or cap > num_requests or self._skipped + 1 >= self.refresh_every:
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        return False
 
     def capacity(self) -> int | None:
         """Total verify tokens B_cap for the coming round (None: no history yet)."""

@@ -159,6 +159,9 @@ def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: i
                                               self.base_tau, self.budget)
             return depths
 
+        def draft_this_round(self, num_requests):
+            return self.budget is None or self.budget > num_requests
+
     class ClusterAwareAsync(_ClusterLoad, AsyncCapacity):
         """AsyncCapacity whose lagged capacity comes from the cluster-aware unconstrained search."""
 
@@ -185,6 +188,11 @@ def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: i
                                               early_stop=False)
             self._hist.append(R + k_best)
             return depths
+
+        def draft_this_round(self, num_requests):
+            if self.budget is not None and self.budget <= num_requests:
+                return False  # the budget is used up by the bonus tokens alone
+            return AsyncCapacity.draft_this_round(self, num_requests)
 
     if kind == "hardware":
         return ClusterAwarePrefix()

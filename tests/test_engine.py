@@ -8,7 +8,7 @@ import torch
 
 from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.sampling import SamplingParams, probs_from_logits
-from pipeline.scheduler import CostTable
+from pipeline.scheduler import CostTable, FixedDepth
 from pipeline.target_runner import TargetRunner
 from toy_drafter import CharTokenizer, chi2_pvalue, greedy_reference, make_toy_drafter, tiny_llama
 
@@ -65,6 +65,22 @@ def test_no_speculation_baseline(target, refs):
     outs = eng.generate(PROMPTS, SamplingParams(), max_tokens=NTOK)
     assert [o.output_ids for o in outs] == refs
     assert outs[0].stats.rounds == NTOK - 1 and outs[0].stats.tau == 1.0
+
+
+def test_no_drafting_when_nothing_is_verified(target, refs):
+    """depth 0 (e.g. a fully loaded cluster): the engine decodes plainly and never runs a drafting round, while the
+    drafter's context still follows the accepted tokens (a later round may draft again)."""
+    eng = _engine(target, scheduler=FixedDepth(0))
+    calls = []
+    orig = eng.drafter.propose
+    eng.drafter.propose = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    outs = eng.generate(PROMPTS, SamplingParams(), max_tokens=NTOK)
+    assert [o.output_ids for o in outs] == refs
+    assert not calls and eng.timers.skipped_drafts >= eng.timers.steps - 2  # all but the prefill and the last
+    assert outs[0].stats.tau == 1.0 and outs[0].stats.verified == 0
+    eng.scheduler = FixedDepth(None)  # drafting resumes on the context that was kept up to date
+    outs = eng.generate(PROMPTS, SamplingParams(), max_tokens=NTOK)
+    assert [o.output_ids for o in outs] == refs and calls and outs[0].stats.accepted > 0
 
 
 def test_batched_equals_single_with_join_and_leave(target, refs):

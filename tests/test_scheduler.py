@@ -232,6 +232,20 @@ def test_async_capacity_uses_confidences_from_two_rounds_earlier():
     assert s2.schedule(lo, [3]) == [3]
 
 
+def test_drafting_skipped_only_when_nothing_can_be_verified():
+    assert not FixedDepth(0).draft_this_round(3) and FixedDepth(2).draft_this_round(3)
+    assert FixedDepth(None).draft_this_round(3)
+    lo = Z([[0.05, 0.05, 0.05]])
+    s = AsyncCapacity(CostTable.from_sps([1.0, 0.5, 0.49, 0.48]), lag=2, refresh_every=3)
+    assert s.draft_this_round(1)  # no history yet
+    s.schedule(lo, [3])
+    s.schedule(lo, [3])
+    assert s.capacity() == 1  # R bonus tokens only: nothing to verify
+    # skipped twice, then one refresh round drafts so the capacity history can follow the load
+    assert [s.draft_this_round(1) for _ in range(6)] == [False, False, True, False, False, True]
+    assert s.draft_this_round(0)  # capacity 1 > 0 requests: something could be verified
+
+
 def test_make_scheduler():
     ct = CostTable.flat()
     assert isinstance(make_scheduler("fixed", num_speculative_tokens=3), FixedDepth)
