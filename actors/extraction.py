@@ -18,13 +18,13 @@ import torch
 
 from actors.vllm_engine import actor_runtime_env, build_llm
 from pipeline.placement import INFERENCE, role_resources
-from pipeline.hidden_store import bytes_per_token, tensor_from_bytes, tensor_to_bytes
+from pipeline.hidden_store import bytes_per_token, full_vocab_lse, tensor_from_bytes, tensor_to_bytes
 
 _IN_SCHEMA = pa.schema([("request_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.uint8()))])
 _OUT_SCHEMA = pa.schema([("request_id", pa.string()), ("n_tokens", pa.int32()), ("input_ids", pa.large_binary()),
                          ("loss_mask", pa.large_binary()), ("aux_hidden", pa.large_binary()),
-                         ("last_hidden", pa.large_binary())])
+                         ("last_hidden", pa.large_binary()), ("target_lse", pa.large_binary())])
 
 
 @dataclass
@@ -49,6 +49,9 @@ class ExtractConfig:
     dtype: str = field(default="auto", metadata={
         "help": "engine compute precision; auto = bf16 on GPU / CPUs with native bf16, else fp32 (5x faster here)",
         "choices": ["auto", "float32", "bfloat16", "float16"]})
+    target_lse: bool = field(default=True, metadata={
+        "help": "also store the full-vocabulary logsumexp per token (4 bytes/token) so training skips the full-"
+                "vocabulary LM-head pass (--no-target-lse to skip)"})
     batch_size: int = field(default=16, metadata={"help": "samples per extractor call"})
     pool_size: int = field(default=1, metadata={"help": "number of extractor actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per extractor actor"})
@@ -83,11 +86,16 @@ class VLLMExtractor:
     """Ray Data actor: pa.Table (request_id, input_ids, loss_mask) -> serialized sample tensors."""
 
     def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, kind: str = "vllm",
-                 dtype: str = "auto"):
+                 dtype: str = "auto", target_lse: bool = True):
         self.layer_ids = list(layer_ids)
         self.kind = kind
         self.want = sorted(set(self.layer_ids) | {n_layers})  # layer L always, for the final hidden state
         self.norm_w, self.eps = _final_norm(target)
+        self.lm_head = None
+        if target_lse:
+            from pipeline.checkpoint import load_target_weights
+
+            self.lm_head = load_target_weights(target).lm_head.float()
         if kind == "vllm":
             self.llm = build_llm(target, max_model_len=max_model_len + 1, extract_layer_ids=self.want, dtype=dtype)
         else:
@@ -131,12 +139,12 @@ class VLLMExtractor:
                 out.append(self._row(r, aux, last))
         return pa.Table.from_pylist(out, schema=_OUT_SCHEMA)
 
-    @staticmethod
-    def _row(r, aux, last):
+    def _row(self, r, aux, last):
+        lse = None if self.lm_head is None else tensor_to_bytes(full_vocab_lse(last, self.lm_head))
         return dict(request_id=r["request_id"], n_tokens=len(r["input_ids"]),
                     input_ids=tensor_to_bytes(torch.tensor(r["input_ids"], dtype=torch.int32)),
                     loss_mask=tensor_to_bytes(torch.tensor(r["loss_mask"], dtype=torch.uint8)),
-                    aux_hidden=tensor_to_bytes(aux), last_hidden=tensor_to_bytes(last))
+                    aux_hidden=tensor_to_bytes(aux), last_hidden=tensor_to_bytes(last), target_lse=lse)
 
 
 def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tensor]:
@@ -144,7 +152,9 @@ def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tenso
     return {"input_ids": tensor_from_bytes(row["input_ids"], torch.int32, (T,)),
             "loss_mask": tensor_from_bytes(row["loss_mask"], torch.uint8, (T,)),
             "aux_hidden": tensor_from_bytes(row["aux_hidden"], torch.bfloat16, (T, aux_dim)),
-            "last_hidden": tensor_from_bytes(row["last_hidden"], torch.bfloat16, (T, hidden))}
+            "last_hidden": tensor_from_bytes(row["last_hidden"], torch.bfloat16, (T, hidden)),
+            **({} if row.get("target_lse") is None else
+               {"target_lse": tensor_from_bytes(row["target_lse"], torch.float32, (T,))})}
 
 
 def open_store(cfg: ExtractConfig, endpoint=None):
@@ -188,7 +198,8 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
                 hidden_size=hidden, aux_dim=hidden * len(layer_ids), extractor=cfg.extractor,
                 compute_dtype=cfg.dtype,
                 responses=str(cfg.responses), response_manifest_rows=resp_manifest.get("num_rows"),
-                skipped_too_long=too_long, bytes_per_token=bytes_per_token(len(layer_ids), hidden))
+                skipped_too_long=too_long, bytes_per_token=bytes_per_token(len(layer_ids), hidden, cfg.target_lse),
+                target_lse=cfg.target_lse)
     t0, ntok = time.time(), 0
     if todo:
         ray = init_ray(cfg.address)
@@ -206,7 +217,7 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
                             runtime_env=actor_runtime_env(cfg.threads),
                             fn_constructor_kwargs=dict(target=str(target), layer_ids=layer_ids, n_layers=L,
                                                        max_model_len=cfg.max_model_len, kind=cfg.extractor,
-                                                       dtype=cfg.dtype))
+                                                       dtype=cfg.dtype, target_lse=cfg.target_lse))
         bar = tqdm(total=len(todo), desc="extract", unit="sample", dynamic_ncols=True)
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for row in batch.to_pylist():

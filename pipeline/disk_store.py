@@ -11,12 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.hidden_store import (TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes, tensor_to_bytes,
-                                   validate_sample)
+from pipeline.hidden_store import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
+                                   tensor_to_bytes, validate_sample)
 from pipeline.shards import ShardSet
 
 _SCHEMA = pa.schema([("sample_id", pa.string()), ("n_tokens", pa.int32()), ("aux_dim", pa.int32()),
-                     ("hidden", pa.int32())] + [(name, pa.large_binary()) for name in TENSOR_FIELDS])
+                     ("hidden", pa.int32())] + [(name, pa.large_binary()) for name in TENSOR_FIELDS]
+                    + [(name, pa.large_binary()) for name in OPTIONAL_FIELDS])  # optional: null when absent
 
 
 class DiskHiddenStore(HiddenStateStore):
@@ -44,6 +45,7 @@ class DiskHiddenStore(HiddenStateStore):
         row = {"sample_id": sample_id, "n_tokens": T, "aux_dim": tensors["aux_hidden"].shape[1],
                "hidden": tensors["last_hidden"].shape[1]}
         row.update({name: tensor_to_bytes(tensors[name]) for name in TENSOR_FIELDS})
+        row.update({name: tensor_to_bytes(tensors[name]) if name in tensors else None for name in OPTIONAL_FIELDS})
         self._pending.append(row)
         if len(self._pending) >= self.samples_per_shard:
             self.flush()
@@ -89,9 +91,11 @@ class DiskHiddenStore(HiddenStateStore):
         if row["sample_id"] != sample_id:
             raise StoreError(f"{path}: row group {rg} holds {row['sample_id']}, expected {sample_id}")
         T, A, H = row["n_tokens"], row["aux_dim"], row["hidden"]
-        shapes = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden": (T, A), "last_hidden": (T, H)}
-        return {name: tensor_from_bytes(row[name], dtype, shapes[name])
-                for name, (dtype, _) in TENSOR_FIELDS.items()}
+        shapes = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden": (T, A), "last_hidden": (T, H), "target_lse": (T,)}
+        out = {name: tensor_from_bytes(row[name], dtype, shapes[name]) for name, (dtype, _) in TENSOR_FIELDS.items()}
+        out.update({name: tensor_from_bytes(row[name], dtype, shapes[name])
+                    for name, (dtype, _) in OPTIONAL_FIELDS.items() if row.get(name) is not None})
+        return out
 
     def close(self):
         self.flush()

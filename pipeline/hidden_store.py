@@ -6,6 +6,8 @@ A *sample* is one response row of stage 1 run through the target:
     loss_mask    uint8  [T]          1 on assistant tokens (incl. end-of-turn)
     aux_hidden   bf16   [T, n*d]     the chosen target layers, concatenated in ascending layer-id order
     last_hidden  bf16   [T, d]       the target's final hidden state (after the final norm: the LM-head input)
+    target_lse   fp32   [T]          optional: logsumexp of the target's full-vocabulary logits computed from the
+                                     STORED (bf16) last_hidden - lets training skip the full-vocabulary pass
 
 Writers are exactly-once per sample id and crash-safe: a sample is either fully visible or absent; the manifest
 (written last) says the store is complete and records its metadata (target, layer ids, hidden size, sample ids).
@@ -25,6 +27,7 @@ TENSOR_FIELDS = {  # name -> (torch dtype, rank)
     "aux_hidden": (torch.bfloat16, 2),
     "last_hidden": (torch.bfloat16, 2),
 }
+OPTIONAL_FIELDS = {"target_lse": (torch.float32, 1)}
 
 
 class StoreError(RuntimeError):
@@ -38,8 +41,13 @@ def validate_sample(sample_id: str, tensors: dict[str, torch.Tensor]) -> int:
     missing = set(TENSOR_FIELDS) - set(tensors)
     if missing:
         raise StoreError(f"sample {sample_id}: missing tensors {sorted(missing)}")
+    unknown = set(tensors) - set(TENSOR_FIELDS) - set(OPTIONAL_FIELDS)
+    if unknown:
+        raise StoreError(f"sample {sample_id}: unknown tensors {sorted(unknown)}")
     T = None
-    for name, (dtype, rank) in TENSOR_FIELDS.items():
+    for name, (dtype, rank) in {**TENSOR_FIELDS, **OPTIONAL_FIELDS}.items():
+        if name not in tensors:
+            continue
         t = tensors[name]
         if t.dtype != dtype or t.dim() != rank:
             raise StoreError(f"sample {sample_id}: {name} must be {dtype} rank {rank}, got {t.dtype} {tuple(t.shape)}")
@@ -67,9 +75,26 @@ def tensor_from_bytes(buf, dtype: torch.dtype, shape) -> torch.Tensor:
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
-def bytes_per_token(n_aux_layers: int, hidden: int) -> int:
-    """Stored bytes per token: 4 (id) + 1 (mask) + 2*n*d (aux) + 2*d (last)."""
-    return 5 + 2 * n_aux_layers * hidden + 2 * hidden
+def bytes_per_token(n_aux_layers: int, hidden: int, with_lse: bool = True) -> int:
+    """Stored bytes per token: 4 (id) + 1 (mask) + 2*n*d (aux) + 2*d (last) + 4 (target lse, if stored)."""
+    return 5 + 2 * n_aux_layers * hidden + 2 * hidden + (4 if with_lse else 0)
+
+
+@torch.no_grad()
+def full_vocab_lse(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 8192,
+                   rows: int = 1024) -> torch.Tensor:
+    """logsumexp_v (h · W_v) in fp32 for h [T, d] (use the stored bf16 values), W [V, d] -> [T]; the logits are
+    never materialised beyond [rows, chunk]."""
+    h = last_hidden.float()
+    W = lm_head_weight.float()
+    out = torch.empty(h.shape[0])
+    for r0 in range(0, h.shape[0], rows):
+        hr = h[r0:r0 + rows]
+        acc = torch.full((hr.shape[0],), float("-inf"))
+        for c0 in range(0, W.shape[0], chunk):
+            acc = torch.logaddexp(acc, torch.logsumexp(hr @ W[c0:c0 + chunk].T, dim=-1))
+        out[r0:r0 + rows] = acc
+    return out
 
 
 class HiddenStateStore(abc.ABC):

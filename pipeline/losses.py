@@ -109,8 +109,9 @@ class TargetHead(nn.Module):
         return lse, mo
 
     @torch.no_grad()
-    def draft_probs(self, hidden: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """hidden [N,d] -> (pt_d [N,V_d] fp32, mass_out [N] fp32).  `stats` = precomputed (lse, mass_out) [N]."""
+    def draft_probs(self, hidden: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+        """hidden [N,d] -> (pt_d [N,V_d] fp32, mass_out [N] fp32).  `stats` = precomputed (lse, mass_out) [N];
+        mass_out None -> 1 - Σ pt_d (the full-vocabulary lse is all that a store needs to keep)."""
         h = hidden.float()
         logits_d = h @ self.weight[:self.Vd].T  # [N, V_d]
         if stats is None:
@@ -118,8 +119,12 @@ class TargetHead(nn.Module):
             lse = torch.logaddexp(torch.logsumexp(logits_d, dim=-1), lse_o)
             mass_out = torch.exp(lse_o - lse)
         else:
-            lse, mass_out = stats[0].float(), stats[1].float()
-        return logits_d.sub_(lse[:, None]).exp_(), mass_out
+            lse = stats[0].float()
+            mass_out = None if stats[1] is None else stats[1].float()
+        pt = logits_d.sub_(lse[:, None]).exp_()
+        if mass_out is None:
+            mass_out = (1.0 - pt.sum(-1)).clamp_(min=0.0)
+        return pt, mass_out
 
     @torch.no_grad()
     def full_probs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -226,12 +231,12 @@ def loss_from_logits(logits: torch.Tensor, conf_logits: torch.Tensor | None, lab
 def drafter_loss(drafter, target_head: TargetHead | None, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
                  last_hidden: torch.Tensor | None, blocks: Blocks, cfg: LossConfig,
                  denom: float | torch.Tensor | None = None,
-                 target_stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> LossOutput:
+                 target_stats: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> LossOutput:
     """Full training loss for one batch.
 
     aux_hidden [B,T,n·d], input_ids [B,T], last_hidden [B,T,d] (target final hidden, after its norm), blocks from
-    `pipeline.anchors.make_blocks`.  target_stats: optional cached (lse [B,T], mass_out [B,T]) from
-    `TargetHead.stats(last_hidden)` (saves the full-vocabulary pass).
+    `pipeline.anchors.make_blocks`.  target_stats: optional cached (lse [B,T], mass_out [B,T] or None) from
+    `TargetHead.stats(last_hidden)` or the store's ``target_lse`` (saves the full-vocabulary pass).
     """
     G = drafter.cfg.block_size
     B, T = input_ids.shape
@@ -249,7 +254,8 @@ def drafter_loss(drafter, target_head: TargetHead | None, aux_hidden: torch.Tens
         flat = (torch.arange(B, device=rows.device)[:, None, None] * T + tpos)[rows]
         uniq, inv = torch.unique(flat, return_inverse=True)  # each sequence position once
         hid = last_hidden.reshape(B * T, -1)[uniq]
-        st = None if target_stats is None else (target_stats[0].reshape(-1)[uniq], target_stats[1].reshape(-1)[uniq])
+        st = None if target_stats is None else (
+            target_stats[0].reshape(-1)[uniq], None if target_stats[1] is None else target_stats[1].reshape(-1)[uniq])
         pt_u, mo_u = target_head.draft_probs(hid, st)
         pt_d, mass_out = pt_u[inv], mo_u[inv]
     return loss_from_logits(out.logits, out.conf_logits, label_d, slot, G, cfg, pt_d, mass_out, denom)

@@ -34,15 +34,15 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from pipeline.hidden_store import (TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes, tensor_to_bytes,
-                                   validate_sample)
+from pipeline.hidden_store import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
+                                   tensor_to_bytes, validate_sample)
 from pipeline.runtime import LOOPBACK, apply_env
 
 ENV_MASTER_ADDR = "MOONCAKE_MASTER_ADDR"
 ENV_METADATA_URL = "MOONCAKE_METADATA_URL"
 
 HEADER = "header"
-_DTYPE_NAME = {torch.int32: "int32", torch.uint8: "uint8", torch.bfloat16: "bfloat16"}
+_DTYPE_NAME = {torch.int32: "int32", torch.uint8: "uint8", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _DTYPE = {v: k for k, v in _DTYPE_NAME.items()}
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h) met through the Python binding's int returns.
@@ -203,7 +203,7 @@ class MooncakeHiddenStore(HiddenStateStore):
             if sample_id in self._mine or self._exists(self._key(sample_id, HEADER)):
                 self._mine.setdefault(sample_id, T)
                 return
-            names = list(TENSOR_FIELDS)
+            names = list(TENSOR_FIELDS) + [n for n in OPTIONAL_FIELDS if n in tensors]
             all_views = [_tensor_view(tensors[n]) for n in names]
             all_sizes = [v.nbytes for v in all_views]
             # Mooncake refuses empty objects: a 0-byte field (T == 0) lives in the header only.
@@ -411,7 +411,7 @@ class MooncakeHiddenStore(HiddenStateStore):
                     raise self._missing(k, OBJECT_NOT_FOUND, f"got {len(d)} of {nb} bytes")
         for (sid, name, dtype, shape), d in zip(specs, datas):
             res[sid][name] = tensor_from_bytes(d, dtype, shape)  # copies out of the staging buffer
-        return [{n: res[s][n] for n in TENSOR_FIELDS} for s in sids]
+        return [res[s] for s in sids]
 
     def _missing(self, key: str, rc: int, detail: str) -> StoreError:
         if rc == OBJECT_NOT_FOUND:

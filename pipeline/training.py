@@ -261,8 +261,10 @@ def train_loop_per_worker(config: dict):
             if b.num_supervised == 0:
                 continue
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                lse = s.get("target_lse") if need_target else None  # cached at extraction: no full-vocab pass
                 out = drafter_loss(model, target_head, s["aux_hidden"][None], s["input_ids"][None].long(),
-                                   s["last_hidden"][None] if need_target else None, b, loss_cfg, denom=denom)
+                                   s["last_hidden"][None] if need_target else None, b, loss_cfg, denom=denom,
+                                   target_stats=None if lse is None else (lse[None], None))
             out.loss.backward()
             parts["loss"] += float(out.loss.detach())
             for k, v in out.parts.items():

@@ -75,7 +75,7 @@ def test_extract_real_target_vllm_matches_transformers(responses, target_dir, tm
                          batch_size=4)
     manifest = run_extraction(ecfg)
     assert len(manifest["sample_ids"]) == 4 and manifest["layer_ids"] == [2, 15, 28]
-    assert manifest["bytes_per_token"] == 5 + 2 * 3 * 576 + 2 * 576
+    assert manifest["bytes_per_token"] == 5 + 2 * 3 * 576 + 2 * 576 + 4 and manifest["target_lse"]
     store = DiskHiddenStore(tmp_path / "hidden")
     resp = {r["request_id"]: r for r in ShardSet(cfg.out, "request_id").iter_rows()}
     hf = HFExtractor(target_dir, manifest["layer_ids"], dtype=torch.bfloat16)
@@ -96,6 +96,9 @@ def test_extract_real_target_vllm_matches_transformers(responses, target_dir, tm
         assert rel < 0.06, f"final hidden: relative error {rel:.4f}"
         agree = ((s["last_hidden"].float() @ lm_head.T).argmax(-1) == (last.float() @ lm_head.T).argmax(-1))
         assert agree.float().mean() > 0.9
+        # the cached full-vocabulary lse belongs to the STORED last hidden state
+        lse = torch.logsumexp(s["last_hidden"].float() @ lm_head.T, dim=-1)
+        assert s["target_lse"].dtype == torch.float32 and torch.allclose(s["target_lse"], lse, atol=1e-3)
     # rerun: nothing left to do, same manifest ids
     again = run_extraction(ecfg)
     assert again["sample_ids"] == manifest["sample_ids"]

@@ -10,7 +10,8 @@ def _sample(T, n=3, d=8, seed=0):
     return {"input_ids": torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32),
             "loss_mask": (torch.rand(T, generator=g) > 0.5).to(torch.uint8),
             "aux_hidden": torch.randn(T, n * d, generator=g).to(torch.bfloat16),
-            "last_hidden": torch.randn(T, d, generator=g).to(torch.bfloat16)}
+            "last_hidden": torch.randn(T, d, generator=g).to(torch.bfloat16),
+            **({"target_lse": torch.randn(T, generator=g)} if seed % 2 == 0 else {})}
 
 
 def test_round_trip_bit_exact_and_resume(tmp_path):
@@ -31,6 +32,7 @@ def test_round_trip_bit_exact_and_resume(tmp_path):
     r = DiskHiddenStore(tmp_path / "h")
     for k, v in samples.items():
         got = r.get(k)
+        assert set(got) == set(v)  # the optional target_lse comes back exactly when it was stored
         for name in v:
             assert got[name].dtype == v[name].dtype
             assert torch.equal(got[name].view(torch.uint8) if got[name].dtype != torch.bfloat16 else
@@ -53,4 +55,5 @@ def test_bad_sample_rejected(tmp_path):
 
 
 def test_bytes_per_token():
-    assert bytes_per_token(3, 576) == 5 + 2 * 3 * 576 + 2 * 576
+    assert bytes_per_token(3, 576, with_lse=False) == 5 + 2 * 3 * 576 + 2 * 576 == 4613
+    assert bytes_per_token(3, 576) == 4613 + 4  # + the fp32 full-vocabulary lse

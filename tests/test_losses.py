@@ -51,6 +51,21 @@ def test_chunked_target_probs_equal_unchunked(nd):
         torch.testing.assert_close(th.full_probs(h).sum(-1), torch.ones(13))
 
 
+def test_cached_lse_alone_reproduces_the_target_distribution():
+    """A store keeps only the full-vocabulary lse per token; p_t on V_d and the mass outside follow from it."""
+    from pipeline.hidden_store import full_vocab_lse
+
+    torch.manual_seed(0)
+    W = torch.randn(V, 16)
+    h = (torch.randn(30, 16) * 2).to(torch.bfloat16)
+    th = TargetHead(W, draft_ids(), vocab_chunk=64)
+    lse = full_vocab_lse(h, W, chunk=100, rows=7)
+    assert torch.allclose(lse, torch.logsumexp(h.float() @ W.T, -1), atol=1e-5)
+    pt, mo = th.draft_probs(h.float())
+    pt2, mo2 = th.draft_probs(h.float(), (lse, None))
+    assert torch.allclose(pt, pt2, atol=1e-6) and torch.allclose(mo, mo2, atol=1e-5)
+
+
 def test_fused_softmax_l1_ce_matches_autograd_and_counts_outside_mass():
     torch.manual_seed(0)
     N, Vd = 9, 200
@@ -172,3 +187,9 @@ def test_drafter_loss_uses_each_position_once_and_matches_direct_computation():
     slot = torch.arange(G).expand_as(rows)[rows]
     w = position_weights(G)[slot]
     torch.testing.assert_close(out.parts["dist"], (w * l1).sum() / w.sum(), atol=1e-5, rtol=1e-5)
+    # the store's cached full-vocabulary lse (no full-vocabulary pass in training) gives the same loss
+    from pipeline.hidden_store import full_vocab_lse
+
+    lse = torch.stack([full_vocab_lse(last[i], target.lm_head.weight) for i in range(2)])
+    cached = drafter_loss(m, th, aux, seq, last, blocks, LossConfig(), target_stats=(lse, None))
+    torch.testing.assert_close(cached.loss, out.loss, atol=1e-5, rtol=1e-5)

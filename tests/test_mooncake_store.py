@@ -42,6 +42,9 @@ def make_sample(seed: int, T: int) -> dict[str, torch.Tensor]:
         .view(torch.bfloat16),
         "last_hidden": torch.randint(-2**15, 2**15, (T, HID), generator=g, dtype=torch.int32).to(torch.int16)
         .view(torch.bfloat16),
+        # the optional field on every other sample (random bit patterns, viewed as fp32)
+        **({"target_lse": torch.randint(-2**31, 2**31 - 1, (T,), generator=g, dtype=torch.int32).view(torch.float32)}
+           if seed % 2 == 0 else {}),
     }
 
 
@@ -54,11 +57,11 @@ def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]):
-    assert set(a) == set(b) == set(TENSOR_FIELDS)
+    assert set(a) == set(b) and set(TENSOR_FIELDS) <= set(a)
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        ra = a[k].view(torch.int16) if a[k].dtype == torch.bfloat16 else a[k]
-        rb = b[k].view(torch.int16) if b[k].dtype == torch.bfloat16 else b[k]
+        ra, rb = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+                  if t.dtype == torch.float32 else t for t in (a[k], b[k]))  # bit patterns (NaN != NaN)
         assert torch.equal(ra, rb), k
 
 

@@ -21,6 +21,8 @@ def tiny_setup(tmp_path_factory):
                       eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(root / "target")
+    from pipeline.hidden_store import full_vocab_lse
+
     ex = HFExtractor(root / "target", [1, 2, 4])
     store = DiskHiddenStore(root / "hidden", samples_per_shard=4)
     g = torch.Generator().manual_seed(1)
@@ -29,8 +31,11 @@ def tiny_setup(tmp_path_factory):
         ids = torch.randint(3, 256, (T,), generator=g).tolist()
         aux, last = ex.extract(ids)
         mask = torch.tensor([0] * 10 + [1] * (T - 10), dtype=torch.uint8)
-        store.put(f"s{i}", {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask,
-                            "aux_hidden": aux, "last_hidden": last})
+        sample = {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask, "aux_hidden": aux,
+                  "last_hidden": last}
+        if i % 2:  # half the samples carry the cached full-vocabulary lse (both training paths run)
+            sample["target_lse"] = full_vocab_lse(last, model.lm_head.weight)
+        store.put(f"s{i}", sample)
     store.commit({"layer_ids": [1, 2, 4], "target": str(root / "target")})
     return root
 
