@@ -51,7 +51,7 @@ class ExtractConfig:
         "choices": ["auto", "float32", "bfloat16", "float16"]})
     target_lse: bool = field(default=True, metadata={
         "help": "also store the full-vocabulary logsumexp per token (4 bytes/token) so training skips the full-"
-                "vocabulary LM-head pass (--no-target-lse to skip)"})
+                "vocabulary LM-head pass (--target-lse false to skip)"})
     batch_size: int = field(default=16, metadata={"help": "samples per extractor call"})
     pool_size: int = field(default=1, metadata={"help": "number of extractor actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per extractor actor"})
