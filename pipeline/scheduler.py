@@ -209,7 +209,28 @@ class StaticThreshold(VerificationScheduler):
         return [min(int(o), int(m)) for o, m in zip(ok, max_depth)]
 
 
-class HardwareAwarePrefix(VerificationScheduler):
+class _SharedHardware:
+    """Other work on the same hardware (B_0 target tokens, τ_0 emitted tokens per round; set before a round, so the
+    depth rule stays lossless) and an optional cap on this batch's target tokens.  B_0 = τ_0 = 0, no budget: the
+    paper's Algorithm 1 on its own batch."""
+
+    base_tokens: int = 0
+    base_tau: float = 0.0
+    budget: int | None = None
+
+    def set_load(self, base_tokens: int, base_tau: float) -> None:
+        self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
+
+    def _search(self, a: torch.Tensor, early_stop: bool):
+        return greedy_prefix_search(a, self.cost, early_stop=early_stop, base_tokens=self.base_tokens,
+                                    base_tau=self.base_tau, budget=self.budget)
+
+    def _budget_left(self, num_requests: int) -> bool:
+        """False when the R bonus tokens alone use up the budget."""
+        return self.budget is None or self.budget > num_requests
+
+
+class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
     """DSPARK.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising
     Θ = τ·SPS(B), with the early stop (first non-improving candidate ends the search).
 
@@ -219,21 +240,26 @@ class HardwareAwarePrefix(VerificationScheduler):
     name = "hardware"
     needs_confidence = True
 
-    def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, early_stop: bool = True):
+    def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, early_stop: bool = True,
+                 budget: int | None = None):
         self.cost = cost
         self.temperatures = temperatures
         self.early_stop = early_stop
+        self.budget = budget
         self.last_theta = None
 
     def schedule(self, conf_logits, max_depth):
         if conf_logits is None:
             raise ValueError("HardwareAwarePrefix needs confidence logits (a DSpark drafter)")
         a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
-        depths, _ = greedy_prefix_search(a, self.cost, early_stop=self.early_stop)
+        depths, _ = self._search(a, self.early_stop)
         return depths
 
+    def draft_this_round(self, num_requests):
+        return self._budget_left(num_requests)
 
-class AsyncCapacity(VerificationScheduler):
+
+class AsyncCapacity(_SharedHardware, VerificationScheduler):
     """DSPARK.md §7 production adaptation: the capacity (total verify tokens B_cap) comes from the UNCONSTRAINED
     (no-break) search on confidences from ``lag`` rounds earlier; this round admits the top-(B_cap - R) candidates
     ranked by their CURRENT survival a_{r,j} (ties -> smaller j, so each request keeps a prefix).
@@ -247,7 +273,7 @@ class AsyncCapacity(VerificationScheduler):
     needs_confidence = True
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, lag: int = 2,
-                 initial_capacity: int | None = None, refresh_every: int = 4):
+                 initial_capacity: int | None = None, refresh_every: int = 4, budget: int | None = None):
         if lag < 1:
             raise ValueError("lag must be >= 1 (lag 0 would use the current tokens: lossy)")
         self.cost = cost
@@ -258,6 +284,7 @@ class AsyncCapacity(VerificationScheduler):
         self.last_capacity = None
         self.refresh_every = refresh_every
         self._skipped = 0
+        self.budget = budget
 
     def reset(self):
         self._hist.clear()
@@ -265,7 +292,10 @@ class AsyncCapacity(VerificationScheduler):
 
     def draft_this_round(self, num_requests):
         """Skip drafting while the lagged capacity leaves no verify token beyond the R bonus tokens; every
-        ``refresh_every``-th such round drafts anyway so the capacity history follows the load."""
+        ``refresh_every``-th such round drafts anyway so the capacity history follows the load.  A budget used up
+        by the bonus tokens alone skips drafting outright."""
+        if not self._budget_left(num_requests):
+            return False
         cap = self.capacity()
         if cap is None or cap > num_requests or self._skipped + 1 >= self.refresh_every:
             self._skipped = 0
@@ -286,12 +316,14 @@ class AsyncCapacity(VerificationScheduler):
         a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
         cap = self.capacity()
         K = sum(int(m) for m in max_depth) if cap is None else max(0, int(cap) - R)
+        if self.budget is not None:
+            K = min(K, max(0, self.budget - R))
         depths = [0] * R
         for v, r, j in sorted_candidates(a)[:K]:
             depths[r] = max(depths[r], j)
         self.last_capacity = R + K if cap is not None else None
         # this round's capacity, used `lag` rounds from now
-        _, k_best = greedy_prefix_search(a, self.cost, early_stop=False)
+        _, k_best = self._search(a, early_stop=False)
         self._hist.append(R + k_best)
         return depths
 

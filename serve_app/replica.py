@@ -124,80 +124,16 @@ def cluster_prefix_search(a, cost, base_tokens: int = 0, base_tau: float = 0.0, 
                                 budget=budget)
 
 
-class _ClusterLoad:
-    """Mixin state: the other replicas' load on this replica's hardware (set by the replica before each round)."""
-
-    base_tokens: int = 0
-    base_tau: float = 0.0
-
-    def set_load(self, base_tokens: int, base_tau: float) -> None:
-        self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
-
-
-def _survival(conf_logits, max_depth):
-    from pipeline.scheduler import calibrated_confidence, survival
-
-    # DSparkDrafter applies its STS temperatures itself: raw sigmoid here (temperatures=None)
-    return survival(calibrated_confidence(conf_logits, None), max_depth)
-
-
 def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: int = 2):
-    """'hardware' -> ClusterAwarePrefix, 'async' -> ClusterAwareAsync (both lossless; see the module docstring)."""
-    from pipeline.scheduler import AsyncCapacity, VerificationScheduler
-
-    class ClusterAwarePrefix(_ClusterLoad, VerificationScheduler):
-        name = "hardware"
-        needs_confidence = True
-
-        def __init__(self):
-            self.cost, self.budget = cost, budget
-
-        def schedule(self, conf_logits, max_depth):
-            if conf_logits is None:
-                raise ValueError("the hardware-aware scheduler needs confidence logits (a DSpark drafter)")
-            depths, _ = cluster_prefix_search(_survival(conf_logits, max_depth), self.cost, self.base_tokens,
-                                              self.base_tau, self.budget)
-            return depths
-
-        def draft_this_round(self, num_requests):
-            return self.budget is None or self.budget > num_requests
-
-    class ClusterAwareAsync(_ClusterLoad, AsyncCapacity):
-        """AsyncCapacity whose lagged capacity comes from the cluster-aware unconstrained search."""
-
-        def __init__(self):
-            AsyncCapacity.__init__(self, cost, None, lag=lag)
-            self.budget = budget
-
-        def schedule(self, conf_logits, max_depth):
-            from pipeline.scheduler import sorted_candidates
-
-            if conf_logits is None:
-                raise ValueError("the async scheduler needs confidence logits (a DSpark drafter)")
-            R = len(max_depth)
-            a = _survival(conf_logits, max_depth)
-            cap = self.capacity()
-            K = sum(int(m) for m in max_depth) if cap is None else max(0, int(cap) - R)
-            if self.budget is not None:
-                K = min(K, max(0, self.budget - R))
-            depths = [0] * R
-            for v, r, j in sorted_candidates(a)[:K]:
-                depths[r] = max(depths[r], j)
-            self.last_capacity = R + K if cap is not None else None
-            _, k_best = cluster_prefix_search(a, self.cost, self.base_tokens, self.base_tau, self.budget,
-                                              early_stop=False)
-            self._hist.append(R + k_best)
-            return depths
-
-        def draft_this_round(self, num_requests):
-            if self.budget is not None and self.budget <= num_requests:
-                return False  # the budget is used up by the bonus tokens alone
-            return AsyncCapacity.draft_this_round(self, num_requests)
+    """'hardware' -> HardwareAwarePrefix, 'async' -> AsyncCapacity, both taking the cluster load through
+    ``set_load(B_0, τ_0)`` and the token budget (lossless; see the module docstring).  DSparkDrafter applies its
+    STS temperatures itself, so the schedulers use the raw sigmoid (temperatures=None)."""
+    from pipeline.scheduler import AsyncCapacity, HardwareAwarePrefix
 
     if kind == "hardware":
-        return ClusterAwarePrefix()
+        return HardwareAwarePrefix(cost, None, budget=budget)
     if kind == "async":
-        return ClusterAwareAsync()
+        return AsyncCapacity(cost, None, lag=lag, budget=budget)
     raise ValueError(f"no load-aware scheduler {kind!r}")
 
 
