@@ -87,10 +87,10 @@ def full_vocab_lse(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, chun
     never materialised beyond [rows, chunk]."""
     h = last_hidden.float()
     W = lm_head_weight.float()
-    out = torch.empty(h.shape[0])
+    out = torch.empty(h.shape[0], device=h.device)
     for r0 in range(0, h.shape[0], rows):
         hr = h[r0:r0 + rows]
-        acc = torch.full((hr.shape[0],), float("-inf"))
+        acc = torch.full((hr.shape[0],), float("-inf"), device=h.device)  # stays -inf for an empty W
         for c0 in range(0, W.shape[0], chunk):
             acc = torch.logaddexp(acc, torch.logsumexp(hr @ W[c0:c0 + chunk].T, dim=-1))
         out[r0:r0 + rows] = acc

@@ -86,12 +86,9 @@ class TargetHead(nn.Module):
 
     def _out_lse(self, h: torch.Tensor) -> torch.Tensor:
         """logsumexp over the non-draft rows, chunked.  h [N,d] fp32 -> [N] (-inf if V_d = V)."""
-        out = torch.full((h.shape[0],), float("-inf"), device=h.device)
-        W = self.weight
-        for c0 in range(self.Vd, W.shape[0], self.vocab_chunk):
-            lg = h @ W[c0:c0 + self.vocab_chunk].T  # [N, chunk]
-            out = torch.logaddexp(out, torch.logsumexp(lg, dim=-1))
-        return out
+        from pipeline.hidden_store import full_vocab_lse
+
+        return full_vocab_lse(h, self.weight[self.Vd:], chunk=self.vocab_chunk)
 
     @torch.no_grad()
     def stats(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
