@@ -131,8 +131,6 @@ def main(argv=None):
                    *tgt])
 
     stage("evaluate", (ev / "results.json").is_file(), evaluate)
-    answer = {}
-
     def serve_one_request():
         """Deploy the Serve app with the trained drafter, ask one chat question through the openai client, shut down."""
         from openai import OpenAI
@@ -148,8 +146,7 @@ def main(argv=None):
             client = OpenAI(base_url=url, api_key="unused", timeout=600)
             r = client.chat.completions.create(model=scfg.served_model_name(), max_tokens=48, temperature=0,
                                                messages=[{"role": "user", "content": "What is 12 + 30?"}])
-            answer["text"] = r.choices[0].message.content
-            print(f"[miniature] chat answer via {url}: {answer['text']!r}")
+            print(f"[miniature] chat answer via {url}: {r.choices[0].message.content!r}")
         finally:
             serve.shutdown()
 

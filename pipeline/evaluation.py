@@ -224,11 +224,11 @@ def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from pipeline.calibration import full_length_rounds
+
     fig, ax = plt.subplots(figsize=(4.5, 4.2))
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)
     for name, gamma in systems:
-        from pipeline.calibration import full_length_rounds
-
         logits, labels = full_length_rounds([rd for r in records[name] for rd in r["rounds"]], gamma)
         if not logits:
             continue
