@@ -38,6 +38,7 @@ class CalibrateConfig:
     out: Path | None = field(default=None, metadata={"help": "report folder (default: <drafter>/calibration)"})
     dtype: str = field(default="bfloat16", metadata={"help": "target precision", "choices": ["bfloat16", "float32"]})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if present), cpu, cuda"})
 
 
 def heldout_prompts(cfg: CalibrateConfig) -> list[list[int]]:
@@ -102,18 +103,19 @@ def run_calibration(cfg: CalibrateConfig) -> dict:
     from pipeline.checkpoint import load_drafter
     from pipeline.confidence_head import calibration_report, fit_sts
     from pipeline.engine import SpeculativeEngine, SpecConfig
-    from pipeline.runtime import torch_threads
+    from pipeline.runtime import resolve_device, torch_threads
     from pipeline.shards import atomic_write_json
     from pipeline.target_model import resolve_target
     from pipeline.target_runner import TargetRunner
 
     torch_threads()
     target = resolve_target(cfg.target)
-    drafter = load_drafter(cfg.drafter, str(target))
+    device = resolve_device(cfg.device)
+    drafter = load_drafter(cfg.drafter, str(target), device=device)
     if not drafter.cfg.enable_confidence_head:
         raise ValueError(f"{cfg.drafter}: this drafter has no confidence head (a DFlash baseline?)")
     drafter.cfg.sts_temperatures = None  # roll out with RAW confidences
-    runner = TargetRunner.from_pretrained(str(target), dtype=cfg.dtype)
+    runner = TargetRunner.from_pretrained(str(target), dtype=cfg.dtype, device=device)
     engine = SpeculativeEngine(runner, drafter, SpecConfig(method=drafter.cfg.kind, scheduler="fixed",
                                                            seed=cfg.seed),
                                tokenizer=AutoTokenizer.from_pretrained(str(target)))

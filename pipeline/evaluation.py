@@ -50,6 +50,8 @@ class EvalConfig:
     baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"], metadata={
         "help": "target precisions of the no-speculation baseline (the fastest is the reference)"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
+    device: str = field(default="auto", metadata={"help": "device of target and drafters: auto (cuda if present), "
+                                                          "cpu, cuda"})
 
 
 def parse_drafters(specs: list[str]) -> list[tuple[str, Path]]:
@@ -121,7 +123,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     from pipeline.checkpoint import load_drafter
     from pipeline.engine import SpeculativeEngine, SpecConfig
     from pipeline.prompts import DEFAULT_PROMPTS
-    from pipeline.runtime import torch_threads
+    from pipeline.runtime import resolve_device, torch_threads
     from pipeline.scheduler import CostTable
     from pipeline.target_model import resolve_target
     from pipeline.target_runner import TargetRunner
@@ -131,7 +133,8 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     tok = AutoTokenizer.from_pretrained(str(target))
     drafters = parse_drafters(cfg.drafter)
     benches = cfg.benchmarks or [DEFAULT_PROMPTS]
-    runners = {dt: TargetRunner.from_pretrained(str(target), dtype=dt)
+    device = resolve_device(cfg.device)
+    runners = {dt: TargetRunner.from_pretrained(str(target), dtype=dt, device=device)
                for dt in sorted(set(cfg.baseline_dtypes) | ({cfg.spec_dtype} if drafters else set()))}
     cost = None
     if cfg.scheduler in ("hardware", "async"):
@@ -141,7 +144,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
                for dt in base_dtypes]
     ref_name = f"baseline-{cfg.spec_dtype}"  # lossless = same tokens as the target in the SAME precision
     for label, path in drafters:
-        d = load_drafter(path, str(target))
+        d = load_drafter(path, str(target), device=device)
         spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=cfg.scheduler,
                           confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
                           draft_sample_method="greedy" if cfg.temperature == 0 else "probabilistic")

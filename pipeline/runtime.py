@@ -137,6 +137,15 @@ def default_compute_dtype() -> str:
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
+def resolve_device(spec: str | None = "auto") -> str:
+    """``auto`` -> ``cuda`` when PyTorch sees a GPU, else ``cpu``; anything else is passed through (``cuda:1``)."""
+    if spec in (None, "", "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return spec
+
+
 def torch_threads(n: int | None = None) -> None:
     """Pin torch intra-op threads (default: all cores of this machine, at most 16)."""
     import torch

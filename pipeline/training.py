@@ -47,6 +47,8 @@ class TrainConfig:
         "help": "explicit draft vocabulary size (overrides coverage); 0 = the full target vocabulary"})
     num_anchors: int = field(default=64, metadata={"help": "anchors (blocks) drawn per sequence per visit"})
     seqs_per_step: int = field(default=8, metadata={"help": "sequences per optimizer step per worker"})
+    micro_batch: int = field(default=1, metadata={
+        "help": "sequences per forward/backward (right-padded; 1 = no padding). Same loss and gradient either way"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the training sequences"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many steps (overrides epochs)"})
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW)"})
@@ -181,13 +183,65 @@ def _flat_allreduce(params, world: int):
         off += n
 
 
+# ---- one step's forward/backward ------------------------------------------------------------------------------
+def collate(samples: list[dict], blocks: list, need_target: bool, device=None) -> dict:
+    """Right-pad store samples (and their per-sample Blocks) into one batch.  Padding is never read: a block at
+    anchor p attends to context positions < p only, and labels / target statistics are gathered at supervised
+    positions only.  -> dict(aux [B,T,n·d], ids [B,T], last [B,T,d] | None, lse [B,T] | None, blocks [B,S,γ])."""
+    from pipeline.anchors import Blocks
+
+    T = max(int(s["input_ids"].shape[0]) for s in samples)
+
+    def pad(t):  # [T_i, ...] -> [T, ...]
+        n = t.shape[0]
+        return t if n == T else torch.cat([t, t.new_zeros((T - n,) + tuple(t.shape[1:]))])
+
+    def stack(key, conv=lambda t: t):
+        return torch.stack([pad(conv(s[key])) for s in samples]).to(device)
+
+    has_lse = need_target and all(s.get("target_lse") is not None for s in samples)
+    blk = Blocks(**{f: torch.cat([getattr(b, f) for b in blocks]).to(device)
+                    for f in ("anchors", "valid", "labels", "prev", "label_mask")})
+    return dict(aux=stack("aux_hidden"), ids=stack("input_ids", lambda t: t.long()),
+                last=stack("last_hidden") if need_target else None,
+                lse=stack("target_lse") if has_lse else None, blocks=blk)
+
+
+def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, loss_cfg, denom: float,
+                         micro_batch: int = 1, bf16: bool = False, device=None):
+    """Forward + backward of one optimizer step's sequences, `micro_batch` at a time (longest first, so padding
+    stays small), every loss divided by the step's GLOBAL weight sum `denom`: the accumulated gradient is the
+    same for any micro_batch.  -> (loss parts summed, supervised positions, per-position accuracy · count)."""
+    from pipeline.losses import drafter_loss
+
+    need_target = target_head is not None
+    todo = [(s, b) for s, b in zip(samples, blocks) if b.num_supervised > 0]
+    todo.sort(key=lambda sb: -int(sb[0]["input_ids"].shape[0]))
+    dev = torch.device(device) if device is not None else model.fc.weight.device
+    parts, n_sup = {"loss": 0.0}, 0
+    acc = torch.zeros(model.cfg.block_size)
+    for i in range(0, len(todo), max(1, micro_batch)):
+        chunk = todo[i:i + max(1, micro_batch)]
+        x = collate([s for s, _ in chunk], [b for _, b in chunk], need_target, dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            out = drafter_loss(model, target_head, x["aux"], x["ids"], x["last"], x["blocks"], loss_cfg,
+                               denom=denom, target_stats=None if x["lse"] is None else (x["lse"], None))
+        out.loss.backward()
+        parts["loss"] += float(out.loss.detach())
+        for k, v in out.parts.items():
+            parts[k] = parts.get(k, 0.0) + float(v)
+        n_sup += out.num_supervised
+        acc += torch.tensor(out.metrics["acc_per_pos"]) * out.num_supervised
+    return parts, n_sup, acc
+
+
 # ---- the loop ---------------------------------------------------------------------------------------------------
 def train_loop_per_worker(config: dict):
     import ray.train
 
     from pipeline.anchors import make_blocks
     from pipeline.drafter import DSparkDrafter
-    from pipeline.losses import LossConfig, TargetHead, drafter_loss, weight_sum
+    from pipeline.losses import LossConfig, TargetHead, weight_sum
 
     cfg = TrainConfig(**{k: (Path(v) if k in ("data", "out") else v) for k, v in config["train"].items()})
     ctx = ray.train.get_context()
@@ -254,23 +308,8 @@ def train_loop_per_worker(config: dict):
             dist.all_reduce(wsum)
         denom = max(float(wsum), 1e-12)
         opt.zero_grad(set_to_none=True)
-        parts = {"loss": 0.0}
-        n_sup = 0
-        acc = torch.zeros(cfg.block_size)
-        for s, b in zip(samples, blocks):
-            if b.num_supervised == 0:
-                continue
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                lse = s.get("target_lse") if need_target else None  # cached at extraction: no full-vocab pass
-                out = drafter_loss(model, target_head, s["aux_hidden"][None], s["input_ids"][None].long(),
-                                   s["last_hidden"][None] if need_target else None, b, loss_cfg, denom=denom,
-                                   target_stats=None if lse is None else (lse[None], None))
-            out.loss.backward()
-            parts["loss"] += float(out.loss.detach())
-            for k, v in out.parts.items():
-                parts[k] = parts.get(k, 0.0) + float(v)
-            n_sup += out.num_supervised
-            acc += torch.tensor(out.metrics["acc_per_pos"]) * out.num_supervised
+        parts, n_sup, acc = accumulate_gradients(model, target_head, samples, blocks, loss_cfg, denom,
+                                                 cfg.micro_batch, bf16=cfg.bf16)
         if world > 1:
             _flat_allreduce(params, world)
             import torch.distributed as dist
