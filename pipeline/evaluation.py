@@ -40,6 +40,9 @@ class EvalConfig:
     scheduler: str = field(default="fixed", metadata={
         "help": "verification depth: fixed (= --depth), threshold (static θ), hardware (Algorithm 1), async",
         "choices": ["fixed", "threshold", "hardware", "async"]})
+    also_schedulers: list[str] = field(default_factory=list, metadata={
+        "help": "run each drafter WITH a confidence head again under these schedulers (system label@scheduler), "
+                "e.g. --scheduler fixed --also-schedulers hardware compares fixed depth with Algorithm 1"})
     depth: int | None = field(default=None, metadata={"help": "num_speculative_tokens (default: the block size)"})
     threshold: float = field(default=0.5, metadata={"help": "θ for --scheduler threshold"})
     cost_table: Path | None = field(default=None, metadata={"help": "SPS(B) JSON for hardware/async (default: "
@@ -136,23 +139,35 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     device = resolve_device(cfg.device)
     runners = {dt: TargetRunner.from_pretrained(str(target), dtype=dt, device=device)
                for dt in sorted(set(cfg.baseline_dtypes) | ({cfg.spec_dtype} if drafters else set()))}
+    for sch in cfg.also_schedulers:
+        if sch not in ("fixed", "threshold", "hardware", "async"):
+            raise ValueError(f"--also-schedulers: unknown scheduler {sch!r}")
     cost = None
-    if cfg.scheduler in ("hardware", "async"):
+    if {cfg.scheduler, *cfg.also_schedulers} & {"hardware", "async"}:
         cost = CostTable.load(cfg.cost_table) if cfg.cost_table else CostTable.profile(runners[cfg.spec_dtype])
     base_dtypes = list(dict.fromkeys(list(cfg.baseline_dtypes) + ([cfg.spec_dtype] if drafters else [])))
     systems = [(f"baseline-{dt}", SpeculativeEngine(runners[dt], None, SpecConfig(), tokenizer=tok), 0)
                for dt in base_dtypes]
     ref_name = f"baseline-{cfg.spec_dtype}"  # lossless = same tokens as the target in the SAME precision
+    scheduler_of = {}
     for label, path in drafters:
         d = load_drafter(path, str(target), device=device)
-        spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=cfg.scheduler,
-                          confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
-                          draft_sample_method="greedy" if cfg.temperature == 0 else "probabilistic")
-        eng = SpeculativeEngine(runners[cfg.spec_dtype], d, spec, tokenizer=tok)
-        eng.record_rounds = True
-        systems.append((label, eng, eng.depth_cap))
+        has_conf = bool(d.cfg.enable_confidence_head)
+        # a drafter without a confidence head (DFlash) can only be verified at fixed depth
+        scheds = [cfg.scheduler if has_conf or cfg.scheduler == "fixed" else "fixed"]
+        scheds += [s for s in cfg.also_schedulers if has_conf and s not in scheds]
+        for i, sch in enumerate(scheds):
+            spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=sch,
+                              confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
+                              draft_sample_method="greedy" if cfg.temperature == 0 else "probabilistic")
+            eng = SpeculativeEngine(runners[cfg.spec_dtype], d, spec, tokenizer=tok)
+            eng.record_rounds = True
+            name = label if i == 0 else f"{label}@{sch}"
+            scheduler_of[name] = sch
+            systems.append((name, eng, eng.depth_cap))
     results = {"config": json.loads(json.dumps(cfg.__dict__, default=str)),
-               "target": str(target), "systems": [s[0] for s in systems], "benchmarks": {}}
+               "target": str(target), "systems": [s[0] for s in systems], "scheduler_of": scheduler_of,
+               "benchmarks": {}}
     all_records = {name: [] for name, _, _ in systems}
     mismatches = {name: 0 for name, _, _ in systems}
     for bench in benches:

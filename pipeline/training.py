@@ -47,7 +47,7 @@ class TrainConfig:
         "help": "explicit draft vocabulary size (overrides coverage); 0 = the full target vocabulary"})
     num_anchors: int = field(default=64, metadata={"help": "anchors (blocks) drawn per sequence per visit"})
     seqs_per_step: int = field(default=8, metadata={"help": "sequences per optimizer step per worker"})
-    micro_batch: int = field(default=1, metadata={
+    micro_batch: int = field(default=2, metadata={
         "help": "sequences per forward/backward (right-padded; 1 = no padding). Same loss and gradient either way"})
     epochs: float = field(default=1.0, metadata={"help": "passes over the training sequences"})
     max_steps: int | None = field(default=None, metadata={"help": "stop after this many steps (overrides epochs)"})

@@ -39,10 +39,18 @@ def bench_file(tmp_path_factory):
 def test_evaluate_side_by_side_lossless(smol_drafter, bench_file, target_dir, tmp_path):
     from jobs.evaluate import main
 
+    from pipeline.scheduler import CostTable
+
+    cost = tmp_path / "cost.json"
+    CostTable({1: 0.040, 8: 0.055, 64: 0.15}).save(cost)
     res = main(["--drafter", f"dspark={smol_drafter}", "--benchmarks", str(bench_file), "--limit", "2",
-                "--max-new-tokens", "12", "--out", str(tmp_path), "--target", str(target_dir)])
+                "--max-new-tokens", "12", "--out", str(tmp_path), "--target", str(target_dir),
+                "--also-schedulers", "hardware", "--cost-table", str(cost)])
     o = res["overall"]
-    assert set(o) == {"baseline-float32", "baseline-bfloat16", "dspark"}
+    assert set(o) == {"baseline-float32", "baseline-bfloat16", "dspark", "dspark@hardware"}
+    assert res["scheduler_of"] == {"dspark": "fixed", "dspark@hardware": "hardware"}
+    assert o["dspark@hardware"]["greedy_mismatches_vs_baseline"] == 0
+    assert o["dspark@hardware"]["mean_verified_depth"] <= o["dspark"]["mean_verified_depth"]
     s = o["dspark"]
     assert s["greedy_mismatches_vs_baseline"] == 0
     assert s["rounds"] > 0 and 1.0 <= s["tau"] <= 8.0
