@@ -57,6 +57,10 @@ _DEFAULTS = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "RAY_DEDUP_LOGS": "1",
     "RAY_SERVE_HTTP_HOST": LOOPBACK,
+    # Serve's proxy must answer its readiness check within 5 s by default; on a busy 2-core machine it can take
+    # longer, and serve.start() then fails ("ProxyActor died").  Generous limits, same behaviour otherwise.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
     # Ray 2.60 defaults to token auth for clusters started with `ray start`; the CLI must agree.
     "RAY_AUTH_MODE": "token",
 }

@@ -3,17 +3,25 @@ load-aware scheduler -- deploy it locally, then at each concurrency level run a 
 requests and report output tokens/s, per-user tokens/s, median TTFT and the mean verified depth.  Prints one table
 and writes results.json + load_test.png (throughput and mean verified depth vs concurrency) to --out.
 
-Stops by itself: a fixed number of requests per level, a per-request timeout and a global --time-budget (levels
-not started within the budget are skipped and reported as such).
+All systems are deployed side by side (one Serve application each, under /<system>/v1) and the levels are
+INTERLEAVED - for each concurrency, every system in turn, repeated --reps times - so machine noise hits them alike;
+the table reports medians over the repetitions.  Stops by itself: a fixed number of requests per level, a
+per-request timeout and a global --time-budget (levels not started within the budget are skipped and reported).
+
+--soak S: instead, S seconds of --soak-clients concurrent streaming clients against the load-aware system, counting
+errors and sampling the replicas' resident memory (soak.json, soak.png): the check that a long run neither fails nor
+grows.
 
     python scripts/load_test.py --drafter work/drafter --concurrency 1 2 4 8 16 --max-tokens 32
     python scripts/load_test.py --random-drafter        # plumbing check with an untrained 1-layer drafter
+    python scripts/load_test.py --drafter work/drafter --soak 300 --soak-clients 16
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,7 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--port", type=int, default=8790)
+    p.add_argument("--reps", type=int, default=1, help="interleaved repetitions of every (level, system)")
     p.add_argument("--time-budget", type=float, default=900.0, help="seconds for the whole run")
+    p.add_argument("--soak", type=float, default=None, help="soak mode: seconds of continuous load")
+    p.add_argument("--soak-clients", type=int, default=16)
+    p.add_argument("--soak-system", default="hardware", choices=["none", "fixed", "hardware", "async"])
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--out", type=Path, default=None, help="output folder (default: <work>/load_test)")
     return p.parse_args(argv)
@@ -156,6 +168,74 @@ def plot(results: dict, png: Path) -> None:
     plt.close(fig)
 
 
+LABELS = {"none": "no-spec", "fixed": "fixed", "hardware": "load-aware", "async": "load-aware-async"}
+
+
+def replica_rss_bytes() -> int:
+    """Resident memory of this machine's Serve replica processes (the engines), summed."""
+    import psutil
+
+    total = 0
+    for proc in psutil.process_iter(["cmdline", "memory_info"]):
+        try:
+            if any("ServeReplica" in c for c in proc.info["cmdline"] or []):
+                total += proc.info["memory_info"].rss
+        except (psutil.Error, TypeError):
+            continue
+    return total
+
+
+async def soak(url: str, model: str, args) -> dict:
+    """--soak-clients clients, each sending streamed requests back to back for --soak seconds; RSS every 10 s."""
+    import httpx
+
+    end = time.time() + args.soak
+    results, rss = [], [(0.0, replica_rss_bytes())]
+    t0 = time.time()
+
+    async def client_loop(client, i):
+        k = i
+        while time.time() < end:
+            try:
+                results.append(await one_request(client, url, model, PROMPTS[k % len(PROMPTS)], args))
+            except Exception as e:
+                results.append({"error": f"{type(e).__name__}: {e}"})
+            k += args.soak_clients
+
+    async def sampler():
+        while time.time() < end:
+            await asyncio.sleep(10)
+            rss.append((time.time() - t0, replica_rss_bytes()))
+
+    async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=args.soak_clients + 4)) as c:
+        await asyncio.gather(sampler(), *(client_loop(c, i) for i in range(args.soak_clients)))
+    ok = [r for r in results if "error" not in r]
+    wall = time.time() - t0
+    return {"seconds": wall, "clients": args.soak_clients, "requests": len(results), "errors": len(results) - len(ok),
+            "first_error": next((r["error"] for r in results if "error" in r), None),
+            "output_tokens": sum(r["tokens"] for r in ok), "output_tok_s": sum(r["tokens"] for r in ok) / wall,
+            "rss_samples": rss, "rss_first_mb": rss[1][1] / 2**20 if len(rss) > 1 else None,
+            "rss_last_mb": rss[-1][1] / 2**20, "rss_max_mb": max(b for _, b in rss) / 2**20}
+
+
+def plot_soak(res: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [t for t, _ in res["rss_samples"]]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(xs, [b / 2**20 for _, b in res["rss_samples"]], marker=".")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("replica RSS (MiB)")
+    ax.set_title(f"soak: {res['clients']} streaming clients, {res['requests']} requests, {res['errors']} errors")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
     apply_env()
@@ -170,59 +250,82 @@ def main(argv=None):
     drafter = args.drafter
     if drafter is None and args.random_drafter:
         drafter = random_drafter(target, out / "random_drafter")
-    systems = [s for s in args.systems if s == "none" or drafter]
-    if len(systems) < len(args.systems):
+    systems = [args.soak_system] if args.soak else [s for s in args.systems if s == "none" or drafter]
+    if args.soak and args.soak_system != "none" and not drafter:
+        raise SystemExit("--soak with a speculative system needs --drafter")
+    if len(systems) < len(args.systems) and not args.soak:
         print("no --drafter: only the no-speculation system runs", flush=True)
 
-    init_ray()
+    # the systems' replicas live side by side but only one works at a time: logical CPUs for all of them
+    init_ray(num_cpus=max(os.cpu_count() or 1, 2) * len(systems))
     from ray import serve
 
     from serve_app.app import ServeConfig, build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    url = f"http://127.0.0.1:{args.port}/v1"
-    results: dict = {}
+    base = f"http://127.0.0.1:{args.port}"
+    raw: dict = {LABELS[s]: {} for s in systems}
     skipped = []
     try:
-        for system in systems:
-            if time.time() > deadline:
-                skipped.append(system)
-                continue
-            label = {"none": "no-spec", "fixed": f"fixed-γ{args.gamma or 'max'}", "hardware": "load-aware",
-                     "async": "load-aware-async"}[system]
+        for system in systems:  # side by side: one application per system
+            label = LABELS[system]
             cfg = ServeConfig(drafter=drafter if system != "none" else None, target=target, replicas=args.replicas,
                               port=args.port, scheduler=system, gamma=args.gamma, dtype=args.dtype,
                               max_batch=args.max_batch, threads=args.threads, model_name="m")
             t0 = time.time()
-            serve.run(build_app(cfg), name="loadtest", route_prefix="/", blocking=False)
-            print(f"[{label}] deployed in {time.time() - t0:.0f}s", flush=True)
-            asyncio.run(run_level(url, "m", 1, 1, args, deadline))  # warm-up
-            levels = []
+            serve.run(build_app(cfg), name=label, route_prefix=f"/{label}", blocking=False)
+            asyncio.run(run_level(f"{base}/{label}/v1", "m", 1, 1, args, deadline))  # warm-up
+            print(f"[{label}] deployed and warmed up in {time.time() - t0:.0f}s", flush=True)
+        if args.soak:
+            label = LABELS[systems[0]]
+            res = asyncio.run(soak(f"{base}/{label}/v1", "m", args))
+            res["system"] = label
+            (out / "soak.json").write_text(json.dumps(res, indent=1))
+            plot_soak(res, out / "soak.png")
+            print(f"soak [{label}]: {res['requests']} requests, {res['errors']} errors, {res['output_tok_s']:.1f} "
+                  f"tok/s, replica RSS {res['rss_first_mb']:.0f} -> {res['rss_last_mb']:.0f} MiB "
+                  f"(max {res['rss_max_mb']:.0f})  ->  {out / 'soak.json'}, {out / 'soak.png'}", flush=True)
+            return res
+        for rep in range(args.reps):
             for c in args.concurrency:
-                if time.time() > deadline:
-                    skipped.append(f"{label}@{c}")
-                    continue
-                n = args.requests_per_level or max(4, 2 * c)
-                lv = asyncio.run(run_level(url, "m", c, n, args, deadline))
-                levels.append(lv)
-                print(f"[{label}] c={c:<3} {lv['output_tok_s']:7.1f} tok/s  {lv['per_user_tok_s']:6.2f} tok/s/user  "
-                      f"TTFT {lv['median_ttft_s'] or 0:6.3f}s  depth {lv['mean_verified_depth']:4.2f}  "
-                      f"tau {lv['acceptance_length']:4.2f}  errors {lv['errors']}", flush=True)
-            results[label] = levels
-            serve.delete("loadtest")
+                for system in systems:
+                    label = LABELS[system]
+                    if time.time() > deadline:
+                        skipped.append(f"{label}@{c}#{rep}")
+                        continue
+                    n = args.requests_per_level or max(4, 2 * c)
+                    lv = asyncio.run(run_level(f"{base}/{label}/v1", "m", c, n, args, deadline))
+                    raw[label].setdefault(c, []).append(lv)
+                    print(f"[{label}] rep {rep} c={c:<3} {lv['output_tok_s']:7.1f} tok/s  "
+                          f"{lv['per_user_tok_s']:6.2f} tok/s/user  TTFT {lv['median_ttft_s'] or 0:6.3f}s  depth "
+                          f"{lv['mean_verified_depth']:4.2f}  tau {lv['acceptance_length']:4.2f}  errors {lv['errors']}",
+                          flush=True)
     finally:
         serve.shutdown()
 
-    print(f"\n{'system':<18} {'users':>5} {'tok/s':>8} {'tok/s/user':>10} {'TTFT med':>9} {'depth':>6} {'tau':>5}")
+    def med(levels, key):
+        vals = [lv[key] for lv in levels if lv[key] is not None]
+        return statistics.median(vals) if vals else None
+
+    results = {label: [dict(concurrency=c, reps=len(lvs), errors=sum(lv["errors"] for lv in lvs),
+                            **{k: med(lvs, k) for k in ("output_tok_s", "per_user_tok_s", "median_ttft_s",
+                                                        "mean_verified_depth", "acceptance_length")})
+                       for c, lvs in sorted(by_c.items())] for label, by_c in raw.items()}
+    print(f"\n{'system':<18} {'users':>5} {'tok/s':>8} {'tok/s/user':>10} {'TTFT med':>9} {'depth':>6} {'tau':>5}"
+          f" {'vs no-spec':>10}")
+    ref = {lv["concurrency"]: lv["output_tok_s"] for lv in results.get("no-spec", [])}
     for label, levels in results.items():
         for lv in levels:
+            r = lv["output_tok_s"] / ref[lv["concurrency"]] if ref.get(lv["concurrency"]) else float("nan")
             print(f"{label:<18} {lv['concurrency']:>5} {lv['output_tok_s']:8.1f} {lv['per_user_tok_s']:10.2f} "
-                  f"{lv['median_ttft_s'] or 0:9.3f} {lv['mean_verified_depth']:6.2f} {lv['acceptance_length']:5.2f}")
+                  f"{lv['median_ttft_s'] or 0:9.3f} {lv['mean_verified_depth']:6.2f} {lv['acceptance_length']:5.2f}"
+                  f" {r:10.2f}")
     if skipped:
         print(f"skipped (time budget): {skipped}")
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "drafter": drafter, "target": target,
             "elapsed_s": time.time() - t_start, "skipped": skipped}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results, "raw": {
+        label: {str(c): lvs for c, lvs in by_c.items()} for label, by_c in raw.items()}}, indent=1))
     if results:
         plot(results, out / "load_test.png")
     print(f"results: {out / 'results.json'}  plot: {out / 'load_test.png'}")
