@@ -320,7 +320,10 @@ class SpeculativeEngine:
             max_depth[r.request_id] = max(0, md)
             depths[r.request_id] = 0
         spec = [r for r in decode if max_depth[r.request_id] > 0] if self.drafter is not None else []
-        if spec and not self.scheduler.draft_this_round(len(spec)):
+        # a seeded sampling request's random stream must not depend on the batch it shares: skipping the drafting
+        # round (a batch-level decision) would change what it consumes, so such a round drafts anyway
+        if (spec and not self.scheduler.draft_this_round(len(spec))
+                and not any(r.generator is not None and r.params.temperature > 0 for r in spec)):
             self.timers.skipped_drafts += 1
             spec = []
         if spec:

@@ -235,28 +235,48 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
     Θ = τ·SPS(B), with the early stop (first non-improving candidate ends the search).
 
     early_stop=False gives the look-ahead variant, kept only to demonstrate that it is NOT lossless.
+
+    Back-off: when a drafted round admitted no draft at all, the next ``refresh_every - 1`` rounds skip drafting
+    (decode one token per request) and the one after drafts again to look.  The decision uses past rounds only, so it
+    stays lossless; it saves the drafting cost while the drafts are not worth verifying.  refresh_every=1: off.
     """
 
     name = "hardware"
     needs_confidence = True
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, early_stop: bool = True,
-                 budget: int | None = None):
+                 budget: int | None = None, refresh_every: int = 4):
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         self.cost = cost
         self.temperatures = temperatures
         self.early_stop = early_stop
         self.budget = budget
         self.last_theta = None
+        self.refresh_every = refresh_every
+        self._nothing_admitted = False
+        self._skipped = 0
+
+    def reset(self):
+        self._nothing_admitted = False
+        self._skipped = 0
 
     def schedule(self, conf_logits, max_depth):
         if conf_logits is None:
             raise ValueError("HardwareAwarePrefix needs confidence logits (a DSpark drafter)")
         a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
         depths, _ = self._search(a, self.early_stop)
+        self._nothing_admitted = not any(depths)
         return depths
 
     def draft_this_round(self, num_requests):
-        return self._budget_left(num_requests)
+        if not self._budget_left(num_requests):
+            return False
+        if self._nothing_admitted and self._skipped + 1 < self.refresh_every:
+            self._skipped += 1
+            return False
+        self._skipped = 0
+        return True
 
 
 class AsyncCapacity(_SharedHardware, VerificationScheduler):

@@ -171,26 +171,26 @@ def plot(results: dict, png: Path) -> None:
 LABELS = {"none": "no-spec", "fixed": "fixed", "hardware": "load-aware", "async": "load-aware-async"}
 
 
-def replica_rss_bytes() -> int:
-    """Resident memory of this machine's Serve replica processes (the engines), summed."""
+def replica_rss_bytes(app: str) -> int:
+    """Resident memory of application `app`'s Serve replica processes on this machine, summed."""
     import psutil
 
     total = 0
     for proc in psutil.process_iter(["cmdline", "memory_info"]):
         try:
-            if any("ServeReplica" in c for c in proc.info["cmdline"] or []):
+            if any(f"ServeReplica:{app}:" in c for c in proc.info["cmdline"] or []):
                 total += proc.info["memory_info"].rss
         except (psutil.Error, TypeError):
             continue
     return total
 
 
-async def soak(url: str, model: str, args) -> dict:
+async def soak(url: str, model: str, app: str, args) -> dict:
     """--soak-clients clients, each sending streamed requests back to back for --soak seconds; RSS every 10 s."""
     import httpx
 
     end = time.time() + args.soak
-    results, rss = [], [(0.0, replica_rss_bytes())]
+    results, rss = [], [(0.0, replica_rss_bytes(app))]
     t0 = time.time()
 
     async def client_loop(client, i):
@@ -205,7 +205,7 @@ async def soak(url: str, model: str, args) -> dict:
     async def sampler():
         while time.time() < end:
             await asyncio.sleep(10)
-            rss.append((time.time() - t0, replica_rss_bytes()))
+            rss.append((time.time() - t0, replica_rss_bytes(app)))
 
     async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=args.soak_clients + 4)) as c:
         await asyncio.gather(sampler(), *(client_loop(c, i) for i in range(args.soak_clients)))
@@ -278,7 +278,7 @@ def main(argv=None):
             print(f"[{label}] deployed and warmed up in {time.time() - t0:.0f}s", flush=True)
         if args.soak:
             label = LABELS[systems[0]]
-            res = asyncio.run(soak(f"{base}/{label}/v1", "m", args))
+            res = asyncio.run(soak(f"{base}/{label}/v1", "m", label, args))
             res["system"] = label
             (out / "soak.json").write_text(json.dumps(res, indent=1))
             plot_soak(res, out / "soak.png")

@@ -246,6 +246,25 @@ def test_drafting_skipped_only_when_nothing_can_be_verified():
     assert s.draft_this_round(0)  # capacity 1 > 0 requests: something could be verified
 
 
+def test_hardware_prefix_backs_off_after_a_round_that_admitted_nothing():
+    ct = CostTable.from_sps([1.0, 0.9, 0.85, 0.8])  # low-confidence drafts are not worth verifying, sure ones are
+    s = HardwareAwarePrefix(ct, refresh_every=3)
+    assert s.draft_this_round(1)  # no history yet
+    assert s.schedule(Z([[0.05, 0.05, 0.05]]), [3]) == [0]
+    # nothing admitted: two rounds without drafting, then one drafts again to look
+    assert [s.draft_this_round(1) for _ in range(3)] == [False, False, True]
+    assert s.schedule(Z([[0.99, 0.99, 0.99]]), [3]) != [0]  # worth it now: drafting resumes every round
+    assert [s.draft_this_round(1) for _ in range(3)] == [True, True, True]
+    off = HardwareAwarePrefix(ct, refresh_every=1)
+    off.schedule(Z([[0.05, 0.05, 0.05]]), [3])
+    assert off.draft_this_round(1)
+    s.schedule(Z([[0.05, 0.05, 0.05]]), [3])
+    s.reset()
+    assert s.draft_this_round(1)
+    with pytest.raises(ValueError):
+        HardwareAwarePrefix(ct, refresh_every=0)
+
+
 def test_make_scheduler():
     ct = CostTable.flat()
     assert isinstance(make_scheduler("fixed", num_speculative_tokens=3), FixedDepth)

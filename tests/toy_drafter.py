@@ -79,6 +79,7 @@ class ToyDrafter:
         if st.last_anchor is not None:  # verified tokens = [anchor, accepted drafts...]
             assert toks[0] == st.last_anchor, (toks, st.last_anchor)
             assert toks[1:] == st.last_drafts[:len(toks) - 1], (toks, st.last_drafts)
+        st.last_anchor, st.last_drafts = None, []  # checked once: a round that drafted nothing reveals no drafts
         st.tokens.extend(toks)
         st.extend_calls.append((start_pos, len(toks)))
 
