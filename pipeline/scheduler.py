@@ -229,6 +229,18 @@ class _SharedHardware:
         """False when the R bonus tokens alone use up the budget."""
         return self.budget is None or self.budget > num_requests
 
+    def _draft_unless_idle(self, num_requests: int, nothing_to_verify: bool) -> bool:
+        """The drafting decision both schedulers share: never when the R bonus tokens alone use up the budget;
+        while the past rounds say nothing would be verified, skip, but draft every ``refresh_every``-th such round
+        anyway so the decision can follow the load."""
+        if not self._budget_left(num_requests):
+            return False
+        if nothing_to_verify and self._skipped + 1 < self.refresh_every:
+            self._skipped += 1
+            return False
+        self._skipped = 0
+        return True
+
 
 class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
     """DSPARK.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising
@@ -270,13 +282,7 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
         return depths
 
     def draft_this_round(self, num_requests):
-        if not self._budget_left(num_requests):
-            return False
-        if self._nothing_admitted and self._skipped + 1 < self.refresh_every:
-            self._skipped += 1
-            return False
-        self._skipped = 0
-        return True
+        return self._draft_unless_idle(num_requests, self._nothing_admitted)
 
 
 class AsyncCapacity(_SharedHardware, VerificationScheduler):
@@ -314,14 +320,8 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
         """Skip drafting while the lagged capacity leaves no verify token beyond the R bonus tokens; every
         ``refresh_every``-th such round drafts anyway so the capacity history follows the load.  A budget used up
         by the bonus tokens alone skips drafting outright."""
-        if not self._budget_left(num_requests):
-            return False
         cap = self.capacity()
-        if cap is None or cap > num_requests or self._skipped + 1 >= self.refresh_every:
-            self._skipped = 0
-            return True
-        self._skipped += 1
-        return False
+        return self._draft_unless_idle(num_requests, cap is not None and cap <= num_requests)
 
     def capacity(self) -> int | None:
         """Total verify tokens B_cap for the coming round (None: no history yet)."""
