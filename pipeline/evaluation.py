@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.sampling import SamplingParams
+from pipeline.scheduler import SCHEDULERS
 
 EVAL_SEED = 980406  # DeepSpec's subsampling seed (DSPARK.md §9)
 
@@ -39,7 +40,7 @@ class EvalConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed (each prompt gets seed + index)"})
     scheduler: str = field(default="fixed", metadata={
         "help": "verification depth: fixed (= --depth), threshold (static θ), hardware (Algorithm 1), async",
-        "choices": ["fixed", "threshold", "hardware", "async"]})
+        "choices": list(SCHEDULERS)})
     also_schedulers: list[str] = field(default_factory=list, metadata={
         "help": "run each drafter WITH a confidence head again under these schedulers (system label@scheduler), "
                 "e.g. --scheduler fixed --also-schedulers hardware compares fixed depth with Algorithm 1"})
@@ -140,7 +141,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     runners = {dt: TargetRunner.from_pretrained(str(target), dtype=dt, device=device)
                for dt in sorted(set(cfg.baseline_dtypes) | ({cfg.spec_dtype} if drafters else set()))}
     for sch in cfg.also_schedulers:
-        if sch not in ("fixed", "threshold", "hardware", "async"):
+        if sch not in SCHEDULERS:
             raise ValueError(f"--also-schedulers: unknown scheduler {sch!r}")
     cost = None
     if {cfg.scheduler, *cfg.also_schedulers} & {"hardware", "async"}:

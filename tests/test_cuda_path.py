@@ -13,7 +13,7 @@ from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import CostTable
 from pipeline.target_runner import TargetRunner
-from toy_drafter import chi2_pvalue, tiny_llama
+from toy_drafter import chi2_pvalue, joint_counts, tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -53,14 +53,7 @@ def test_sampling_on_cuda_matches_target_distribution():
     eng = SpeculativeEngine(TargetRunner(model, "float32", device="cuda", max_seq_len=16, init_len=8),
                             _drafter(model, gamma=3, rank=4), SpecConfig(method="dspark", seed=1))
     outs = eng.generate([prompt] * N, params, max_tokens=n)
-    idx = []
-    for o in outs:
-        assert len(o.output_ids) == n
-        i = 0
-        for t in o.output_ids:
-            i = i * V + t
-        idx.append(i)
-    counts = torch.bincount(torch.tensor(idx), minlength=V ** n)
+    counts = joint_counts(outs, V, n)
     assert chi2_pvalue(counts, _exact_joint(model, prompt, n, params, V)) > 1e-3
 
 

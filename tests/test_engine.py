@@ -10,7 +10,8 @@ from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.sampling import SamplingParams, probs_from_logits
 from pipeline.scheduler import CostTable, FixedDepth
 from pipeline.target_runner import TargetRunner
-from toy_drafter import CharTokenizer, chi2_pvalue, greedy_reference, make_toy_drafter, tiny_llama
+from toy_drafter import (CharTokenizer, chi2_pvalue, greedy_reference, joint_counts, make_toy_drafter,
+                         tiny_llama)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -247,14 +248,7 @@ def test_sampling_matches_target_distribution(case):
     tr = TargetRunner(model, "float32", device="cpu", max_seq_len=16, init_len=8)
     eng = SpeculativeEngine(tr, dr, spec)
     outs = eng.generate([prompt] * N, params, max_tokens=n)
-    seq_idx = []
-    for o in outs:
-        assert len(o.output_ids) == n
-        i = 0
-        for t in o.output_ids:
-            i = i * V + t
-        seq_idx.append(i)
-    counts = torch.bincount(torch.tensor(seq_idx), minlength=V ** n)
+    counts = joint_counts(outs, V, n)
     want = _exact_joint(model, prompt, n, params, V)
     pval = chi2_pvalue(counts, want)
     if case.startswith("CONTROL"):

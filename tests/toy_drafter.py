@@ -181,6 +181,18 @@ class CharTokenizer:
         return [self.alphabet.index(c) for c in s]
 
 
+def joint_counts(outputs, V: int, n: int) -> torch.Tensor:
+    """Engine outputs of exactly n tokens each -> counts [V**n] of each n-token sequence (base-V index)."""
+    idx = []
+    for o in outputs:
+        assert len(o.output_ids) == n, o.output_ids
+        i = 0
+        for t in o.output_ids:
+            i = i * V + t
+        idx.append(i)
+    return torch.bincount(torch.tensor(idx), minlength=V ** n)
+
+
 def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     """Pearson chi-square goodness of fit of observed ``counts`` to ``probs``; cells with expected count below
     ``min_expected`` are pooled into one.  Observed mass in zero-probability cells fails the test outright."""
