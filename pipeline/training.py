@@ -119,27 +119,27 @@ def step_sample_ids(ids: list[str], step: int, seqs_per_step: int, world: int, r
 
 def count_tokens_in_store(store, ids: list[str], vocab_size: int) -> torch.Tensor:
     """Counts of target ids over the supervised (loss-mask) tokens of the given samples."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
     from pipeline.disk_store import DiskHiddenStore
+    from pipeline.draft_vocab import count_tokens
 
-    if isinstance(store, DiskHiddenStore):  # column read: no hidden states loaded
-        import pyarrow.parquet as pq
+    def pairs():  # (input_ids [T], loss_mask [T]) of each wanted sample
+        if isinstance(store, DiskHiddenStore):  # column read: no hidden states loaded
+            import pyarrow.parquet as pq
 
-        from pipeline.hidden_store import tensor_from_bytes
+            from pipeline.hidden_store import tensor_from_bytes
 
-        want = set(ids)
-        for p in store.shards.shard_paths():
-            t = pq.read_table(p, columns=["sample_id", "n_tokens", "input_ids", "loss_mask"]).to_pylist()
-            for r in t:
-                if r["sample_id"] in want:
-                    x = tensor_from_bytes(r["input_ids"], torch.int32, (r["n_tokens"],)).long()
-                    m = tensor_from_bytes(r["loss_mask"], torch.uint8, (r["n_tokens"],)).bool()
-                    counts += torch.bincount(x[m], minlength=vocab_size)
-        return counts
-    for sid in ids:
-        s = store.get(sid)
-        counts += torch.bincount(s["input_ids"].long()[s["loss_mask"].bool()], minlength=vocab_size)
-    return counts
+            want = set(ids)
+            for p in store.shards.shard_paths():
+                for r in pq.read_table(p, columns=["sample_id", "n_tokens", "input_ids", "loss_mask"]).to_pylist():
+                    if r["sample_id"] in want:
+                        yield (tensor_from_bytes(r["input_ids"], torch.int32, (r["n_tokens"],)),
+                               tensor_from_bytes(r["loss_mask"], torch.uint8, (r["n_tokens"],)))
+        else:
+            for sid in ids:
+                s = store.get(sid)
+                yield s["input_ids"], s["loss_mask"]
+
+    return count_tokens(pairs(), vocab_size)
 
 
 # ---- model ------------------------------------------------------------------------------------------------------
@@ -207,6 +207,17 @@ def collate(samples: list[dict], blocks: list, need_target: bool, device=None) -
                 lse=stack("target_lse") if has_lse else None, blocks=blk)
 
 
+def step_blocks(samples: list[dict], num_anchors: int, block_size: int, decay, seed: int, rank: int, step: int):
+    """This rank's anchors and block labels for `step`, drawn from (seed, rank, step) so a resumed run draws the same,
+    and their local weight sum Σw (all-reduce it across ranks for the step's global denominator)."""
+    from pipeline.anchors import make_blocks
+    from pipeline.losses import weight_sum
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{rank}:{step}".encode()))
+    blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], num_anchors, block_size, gen) for s in samples]
+    return blocks, sum(float(weight_sum(b.label_mask, decay)) for b in blocks)
+
+
 def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, loss_cfg, denom: float,
                          micro_batch: int = 1, bf16: bool = False, device=None):
     """Forward + backward of one optimizer step's sequences, `micro_batch` at a time (longest first, so padding
@@ -239,9 +250,8 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
 def train_loop_per_worker(config: dict):
     import ray.train
 
-    from pipeline.anchors import make_blocks
     from pipeline.drafter import DSparkDrafter
-    from pipeline.losses import LossConfig, TargetHead, weight_sum
+    from pipeline.losses import LossConfig, TargetHead
 
     cfg = TrainConfig(**{k: (Path(v) if k in ("data", "out") else v) for k, v in config["train"].items()})
     ctx = ray.train.get_context()
@@ -298,10 +308,9 @@ def train_loop_per_worker(config: dict):
     for step in range(start, total):
         samples = pending.result()
         pending = pool.submit(fetch, step + 1) if step + 1 < total else None
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{cfg.seed}:{rank}:{step}".encode()))
-        blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], cfg.num_anchors, cfg.block_size, gen)
-                  for s in samples]
-        wsum = torch.tensor([sum(float(weight_sum(b.label_mask, loss_cfg.decay)) for b in blocks)])
+        blocks, local_wsum = step_blocks(samples, cfg.num_anchors, cfg.block_size, loss_cfg.decay, cfg.seed, rank,
+                                         step)
+        wsum = torch.tensor([local_wsum])
         if world > 1:
             import torch.distributed as dist
 

@@ -19,7 +19,6 @@ import json
 import math
 import sys
 import time
-import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -102,57 +101,40 @@ def generate_responses(model, tok, requests: list[dict], max_new_tokens: int, ba
 
 
 # ---- stage 2: features ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def extract_features(model, rows: list[dict], layer_ids: list[int], lm_head: torch.Tensor, device,
+def extract_features(model, rows: list[dict], layer_ids: list[int], lm_head: torch.Tensor,
                      tokens_per_batch: int = 65536) -> dict[str, dict]:
-    """One forward per group of right-padded sequences (causal: padding never changes earlier positions).  The same
-    tensors a stage-2 store holds: aux_hidden / last_hidden bf16, target_lse fp32 from the bf16 last state."""
+    """pipeline.hf_extractor over groups of similar-length sequences (one forward each), kept on the model's
+    device.  The same tensors a stage-2 store holds: aux_hidden / last_hidden bf16, target_lse fp32 from the bf16
+    last state."""
+    from pipeline.hf_extractor import HFExtractor
     from pipeline.hidden_store import full_vocab_lse
 
-    L = model.config.num_hidden_layers
-    captured = {}
-    hook = None
-    if L in layer_ids:  # id L = the last layer's output before the final norm (pipeline.hf_extractor)
-        hook = model.model.layers[-1].register_forward_hook(
-            lambda m, a, o: captured.__setitem__("x", o[0] if isinstance(o, tuple) else o))
+    ex = HFExtractor(model, layer_ids)
     samples = {}
-    order = sorted(range(len(rows)), key=lambda i: -(len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"])))
+    order = sorted(rows, key=lambda r: -(len(r["prompt_ids"]) + len(r["response_ids"])))
     i = 0
     while i < len(order):
-        T = len(rows[order[i]]["prompt_ids"]) + len(rows[order[i]]["response_ids"])
-        n = max(1, tokens_per_batch // T)
-        idx = order[i:i + n]
-        i += n
-        seqs = [rows[k]["prompt_ids"] + rows[k]["response_ids"] for k in idx]
-        ids = torch.zeros((len(idx), T), dtype=torch.long)
-        for j, s in enumerate(seqs):
-            ids[j, :len(s)] = torch.tensor(s)
-        out = model.model(input_ids=ids.to(device), output_hidden_states=True, use_cache=False)
-        hs = out.hidden_states
-        aux = torch.cat([(captured["x"] if k == L else hs[k]) for k in layer_ids], -1).to(torch.bfloat16)
-        last = out.last_hidden_state.to(torch.bfloat16)
-        for j, k in enumerate(idx):
-            n_tok = len(seqs[j])
-            r = rows[k]
-            samples[r["request_id"]] = dict(
-                input_ids=torch.tensor(seqs[j], dtype=torch.int32),
-                loss_mask=torch.tensor(r["loss_mask"], dtype=torch.uint8),
-                aux_hidden=aux[j, :n_tok].contiguous(), last_hidden=last[j, :n_tok].contiguous(),
-                target_lse=full_vocab_lse(last[j, :n_tok].float(), lm_head))
-    if hook is not None:
-        hook.remove()
+        group = order[i:i + max(1, tokens_per_batch // (len(order[i]["prompt_ids"]) + len(order[i]["response_ids"])))]
+        i += len(group)
+        seqs = [r["prompt_ids"] + r["response_ids"] for r in group]
+        with torch.no_grad():
+            for r, s, (aux, last) in zip(group, seqs, ex.extract_batch(seqs)):
+                samples[r["request_id"]] = dict(
+                    input_ids=torch.tensor(s, dtype=torch.int32),
+                    loss_mask=torch.tensor(r["loss_mask"], dtype=torch.uint8),
+                    aux_hidden=aux.contiguous(), last_hidden=last.contiguous(),
+                    target_lse=full_vocab_lse(last.float(), lm_head))
     return samples
 
 
 # ---- stage 3: training ----------------------------------------------------------------------------------------------
 def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int], samples: dict, train_ids: list[str],
                   device) -> Path:
-    from pipeline.anchors import make_blocks
     from pipeline.checkpoint import export_checkpoint, load_target_weights
     from pipeline.drafter import DSparkDrafter
-    from pipeline.losses import LossConfig, TargetHead, weight_sum
+    from pipeline.losses import LossConfig, TargetHead
     from pipeline.training import (TrainConfig, accumulate_gradients, build_drafter_config, lr_lambda, plot_metrics,
-                                   step_sample_ids)
+                                   step_blocks, step_sample_ids)
 
     run = args.out / f"train_{kind}"
     run.mkdir(parents=True, exist_ok=True)
@@ -176,10 +158,8 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
     step = 0
     for step in range(total):
         batch = [samples[i] for i in step_sample_ids(train_ids, step, args.seqs_per_step, 1, 0, args.seed)]
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{args.seed}:0:{step}".encode()))
-        blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], args.num_anchors, args.block_size, gen)
-                  for s in batch]
-        denom = max(sum(float(weight_sum(b.label_mask, loss_cfg.decay)) for b in blocks), 1e-12)
+        blocks, wsum = step_blocks(batch, args.num_anchors, args.block_size, loss_cfg.decay, args.seed, 0, step)
+        denom = max(wsum, 1e-12)
         opt.zero_grad(set_to_none=True)
         parts, n_sup, acc = accumulate_gradients(model, head, batch, blocks, loss_cfg, denom, args.micro_batch,
                                                  device=device)
@@ -216,7 +196,7 @@ def main(argv=None):
     apply_env()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.draft_vocab import build_draft_vocab
+    from pipeline.draft_vocab import build_draft_vocab, count_tokens
     from pipeline.prompts import read_prompt_files, tokenize_requests
     from pipeline.responses import RESPONSE_SCHEMA
     from pipeline.shards import ShardSet, atomic_write_json
@@ -253,7 +233,7 @@ def main(argv=None):
     layer_ids = default_aux_layer_ids(L)
     lm_head = model.get_output_embeddings().weight.detach().float()
     t = time.time()
-    samples = extract_features(model, rows, layer_ids, lm_head, device)
+    samples = extract_features(model, rows, layer_ids, lm_head)
     n_tok = sum(int(s["input_ids"].shape[0]) for s in samples.values())
     ext_s = time.time() - t
     log(f"features of {n_tok} tokens in {ext_s:.1f}s; layers {layer_ids}")
@@ -265,10 +245,7 @@ def main(argv=None):
     ids = sorted(samples)
     train_ids, hold_ids = split_ids(ids, args.holdout_frac)
     V = lm_head.shape[0]
-    counts = torch.zeros(V, dtype=torch.long)
-    for i in train_ids:
-        s = samples[i]
-        counts += torch.bincount(s["input_ids"].long()[s["loss_mask"].bool()], minlength=V)
+    counts = count_tokens(((samples[i]["input_ids"], samples[i]["loss_mask"]) for i in train_ids), V)
     dv = build_draft_vocab(counts, coverage=0.99, always_include=special_token_ids(target, V), multiple_of=64)
     log(dv.report())
     summary = dict(device=str(device), gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
