@@ -313,6 +313,7 @@ class SpeculativeEngine:
         depths: dict[str, int] = {}
         round_conf: dict[str, list] = {}
         prop_tokens = prop_q = draft_ids = None
+        propose_s = 0.0
         q_row: dict[str, int] = {}
         max_depth = {}
         for r in decode:
@@ -330,7 +331,8 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             prop_tokens, prop_q, conf, draft_ids, q_row = self._propose(spec)
             t1 = time.perf_counter()
-            self.timers.draft_s += t1 - t0
+            propose_s = t1 - t0
+            self.timers.draft_s += propose_s
             conf_rows = None
             if conf is not None:
                 conf_rows = conf[torch.tensor([q_row[r.request_id] for r in spec])][:, :self.depth_cap]
@@ -338,6 +340,10 @@ class SpeculativeEngine:
             round_conf = ({r.request_id: conf_rows[j].tolist() for j, r in enumerate(spec)}
                           if self.record_rounds and conf_rows is not None else {})
             for r, d in zip(spec, ds):
+                if r.generator is not None and r.params.temperature > 0:
+                    # a seeded sampling request is verified at full depth (vLLM's fixed num_speculative_tokens): its
+                    # random stream, hence its output, then depends on its seed only, not on the batch or the load
+                    d = max_depth[r.request_id]
                 depths[r.request_id] = int(min(d, max_depth[r.request_id]))
             self.timers.schedule_s += time.perf_counter() - t1
 
@@ -360,7 +366,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         out = T.forward(slots, inputs, logits_last=nlog, aux_layer_ids=self.aux_layer_ids)
         t1 = time.perf_counter()
-        self.timers.target_s += t1 - t0
+        target_s = t1 - t0
+        self.timers.target_s += target_s
 
         # --- accept / reject ----------------------------------------------------------------------------------
         dlist = [0] * len(prefill) + [depths[r.request_id] for r in decode]
@@ -420,7 +427,11 @@ class SpeculativeEngine:
                     self.drafter.extend_context(st, a, p)
             self.timers.draft_s += time.perf_counter() - t2
         self.timers.steps += 1
-        self.timers.total_s += time.perf_counter() - t_start
+        round_s = time.perf_counter() - t_start
+        self.timers.total_s += round_s
+        if not prefill:  # what a decode round costs, for cost-aware schedulers (prefill rounds are not typical)
+            self.scheduler.observe_round(len(spec), propose_s, sum(len(x) for x in inputs), target_s,
+                                        round_s)
         return outputs
 
     def _propose(self, decode: list[_Request]):

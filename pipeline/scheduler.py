@@ -75,15 +75,30 @@ class CostTable:
     def profile(cls, runner, batch_sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
                 context_len: int = 300, max_tokens_per_request: int = 8, repeats: int = 5,
                 warmup: int = 2) -> "CostTable":
-        """Time the target runner's forward for each B (``TargetRunner.time_forward``: B new tokens over
-        ceil(B / max_tokens_per_request) requests with ``context_len`` cached tokens each)."""
-        pts = {int(b): runner.time_forward(int(b), context_len=context_len,
-                                           max_tokens_per_request=max_tokens_per_request, repeats=repeats,
-                                           warmup=warmup) for b in batch_sizes}
+        """Time the target runner's forward for each B (``TargetRunner.time_forwards``: B new tokens over
+        ceil(B / max_tokens_per_request) requests with ``context_len`` cached tokens each; interleaved sweeps,
+        medians)."""
+        if hasattr(runner, "time_forwards"):
+            pts = runner.time_forwards([int(b) for b in batch_sizes], context_len=context_len,
+                                       max_tokens_per_request=max_tokens_per_request, repeats=repeats,
+                                       warmup=warmup)
+        else:
+            pts = {int(b): runner.time_forward(int(b), context_len=context_len,
+                                               max_tokens_per_request=max_tokens_per_request, repeats=repeats,
+                                               warmup=warmup) for b in batch_sizes}
         meta = {"context_len": context_len, "max_tokens_per_request": max_tokens_per_request, "repeats": repeats,
                 "device": str(getattr(runner, "device", "")), "dtype": str(getattr(runner, "dtype", "")),
                 "threads": torch.get_num_threads()}
         return cls(pts, meta=meta)
+
+    def inversion(self) -> float:
+        """How far the measured points are from "more tokens never cost less": max over B1 < B2 of
+        t(B1) / t(B2) - 1 (0 for a monotone table).  A large value means the profile caught contention."""
+        worst, ts = 0.0, [t for _, t in self.points]
+        for i, t1 in enumerate(ts):
+            for t2 in ts[i + 1:]:
+                worst = max(worst, t1 / t2 - 1.0)
+        return worst
 
     def to_dict(self) -> dict:
         return {"step_seconds": {str(b): t for b, t in self.points}, "meta": self.meta}
@@ -129,25 +144,30 @@ def sorted_candidates(a: torch.Tensor) -> list:
 
 
 def greedy_prefix_search(a: torch.Tensor, cost: CostTable, early_stop: bool = True, base_tokens: int = 0,
-                         base_tau: float = 0.0, budget: int | None = None):
+                         base_tau: float = 0.0, budget: int | None = None, round_seconds=None):
     """Algorithm 1.  Returns (depths, K) where K is the number of admitted draft tokens.
 
     early_stop=True: stop at the first candidate that does not raise Θ = τ·SPS(B) (lossless).  False: walk the whole
     sorted list and keep the best prefix (the 'unconstrained' search; lossy if used on current confidences).
     base_tokens / base_tau: target tokens and emitted tokens per round of OTHER work on the same hardware, so that
     Θ = (base_tau + τ)·SPS(base_tokens + B) (0, 0 = the paper's Algorithm 1); budget caps B (this batch's tokens).
+    round_seconds: B -> seconds of the whole round (default: the table's step time t(base_tokens + B)); with it
+    Θ = (base_tau + τ) / round_seconds(B), so costs the table does not hold (the drafting round, engine overhead,
+    a live correction of the profile) enter the objective.  They are fixed before the round: still lossless.
     """
+    if round_seconds is None:
+        round_seconds = lambda b: cost.step_time(base_tokens + b)  # noqa: E731
     R = a.shape[0]
     ents = sorted_candidates(a)
     B, tau = R, float(R)
-    best = (base_tau + tau) * cost.sps(base_tokens + B)
+    best = (base_tau + tau) / round_seconds(B)
     best_k = 0
     for k, (v, r, j) in enumerate(ents, start=1):
         B += 1
         tau += v
         if budget is not None and B > budget:
             break
-        th = (base_tau + tau) * cost.sps(base_tokens + B)
+        th = (base_tau + tau) / round_seconds(B)
         if th > best:
             best, best_k = th, k
         elif early_stop:
@@ -156,6 +176,67 @@ def greedy_prefix_search(a: torch.Tensor, cost: CostTable, early_stop: bool = Tr
     for v, r, j in ents[:best_k]:
         depths[r] = max(depths[r], j)
     return depths, best_k
+
+
+def admitted_survival(a: torch.Tensor, depths: Sequence[int]) -> float:
+    """Σ_r Σ_{j <= L_r} a_{r,j}: the expected number of accepted drafts of a round verified at these depths."""
+    g = a.shape[-1]
+    L = torch.as_tensor(list(depths), dtype=torch.long, device=a.device)
+    keep = torch.arange(g, device=a.device)[None, :] < L[:, None]
+    return float(torch.where(keep, a.double(), torch.zeros_like(a, dtype=torch.float64)).sum())
+
+
+class LiveRoundCost:
+    """What a round costs beyond the profiled target step, measured live (the engine reports every round through
+    ``VerificationScheduler.observe_round``):
+
+      * draft seconds of one drafting round (block forward + sequential loop + confidences) for R requests (an EMA
+        per R, interpolated between observed R, flat beyond them; 0 until a round was drafted);
+      * overhead seconds per round outside drafting and the target forward (rejection sampler, bookkeeping);
+      * scale = measured / profiled target step time (an EMA), so a table profiled on a quieter or busier machine
+        is corrected to today's speed without changing its shape.
+
+    Round time (drafted): scale·t(B) + overhead + draft(R); not drafted: scale·t(R) + overhead.
+    """
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = float(alpha)
+        self.draft: dict = {}
+        self.overhead_s = 0.0
+        self.scale = 1.0
+        self.rounds = 0
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def observe(self, cost: CostTable, num_drafted: int, draft_s: float, target_tokens: int, target_s: float,
+                round_s: float) -> None:
+        if num_drafted > 0 and draft_s > 0:
+            self.draft[int(num_drafted)] = self._ema(self.draft.get(int(num_drafted)), float(draft_s))
+        if target_tokens > 0 and target_s > 0:
+            ratio = min(10.0, max(0.1, target_s / cost.step_time(int(target_tokens))))
+            self.scale = self._ema(self.scale if self.rounds else None, ratio)
+            self.overhead_s = self._ema(self.overhead_s if self.rounds else None,
+                                        max(0.0, round_s - target_s - draft_s))
+            self.rounds += 1
+
+    def draft_seconds(self, R: int) -> float:
+        if not self.draft:
+            return 0.0
+        if R in self.draft:
+            return self.draft[R]
+        ks = sorted(self.draft)
+        if R <= ks[0]:
+            return self.draft[ks[0]]
+        if R >= ks[-1]:
+            return self.draft[ks[-1]]
+        hi = next(k for k in ks if k > R)
+        lo = max(k for k in ks if k < R)
+        return self.draft[lo] + (self.draft[hi] - self.draft[lo]) * (R - lo) / (hi - lo)
+
+    def to_dict(self) -> dict:
+        return {"draft_s": {str(k): round(v, 5) for k, v in sorted(self.draft.items())},
+                "overhead_s": round(self.overhead_s, 5), "scale": round(self.scale, 4), "rounds": self.rounds}
 
 
 # ----------------------------------------------------------------------------------------------------- schedulers
@@ -172,6 +253,12 @@ class VerificationScheduler:
         """False when this round will verify no draft whatever the drafter proposes: the engine then skips the
         drafting round (block forward, sequential loop, confidences) and decodes one token per request."""
         return True
+
+    def observe_round(self, num_drafted: int, draft_s: float, target_tokens: int, target_s: float,
+                      round_s: float) -> None:
+        """The engine's measurements of a decode round (no prefill in it): requests drafted and the drafting
+        seconds, target tokens and forward seconds, the whole round's seconds.  Cost-aware schedulers learn from
+        them; the others ignore them."""
 
     def reset(self) -> None:
         pass
@@ -210,79 +297,117 @@ class StaticThreshold(VerificationScheduler):
 
 
 class _SharedHardware:
-    """Other work on the same hardware (B_0 target tokens, τ_0 emitted tokens per round; set before a round, so the
-    depth rule stays lossless) and an optional cap on this batch's target tokens.  B_0 = τ_0 = 0, no budget: the
-    paper's Algorithm 1 on its own batch."""
+    """What Algorithm 1's two cost-aware schedulers share.
+
+    * Other work on the same hardware (B_0 target tokens, τ_0 emitted tokens per round; set before a round, so the
+      depth rule stays lossless) and an optional cap on this batch's target tokens.  B_0 = τ_0 = 0, no budget: the
+      paper's Algorithm 1 on its own batch.
+    * The round's whole cost (``LiveRoundCost``): the paper's Θ = τ·SPS(B) counts only the target step, so a draft
+      looks free when the drafting round itself costs ~25% of a step.  Here Θ = τ / (scale·t(B_0 + B) + overhead +
+      draft(R)), with the drafting cost, engine overhead and the table's scale measured live.
+    * Whether to draft at all: after each drafted round the scheduler compares the best Θ it found with the
+      throughput of a plain decoding round, (τ_0 + R) / (scale·t(B_0 + R) + overhead).  When drafting did not pay,
+      the next rounds skip drafting (one token per request, no drafter cost), and a probe round drafts again after
+      ``refresh_every - 1`` skipped rounds, doubling while probes keep saying no (up to ``max_skip``), so an idle
+      drafter costs ~draft(R)/max_skip per round.  The decision uses past rounds only: lossless.
+    """
 
     base_tokens: int = 0
     base_tau: float = 0.0
     budget: int | None = None
 
+    def _init_shared(self, cost: CostTable, budget: int | None, refresh_every: int, max_skip: int):
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        if max_skip < refresh_every - 1:
+            raise ValueError(f"max_skip must be >= refresh_every - 1, got {max_skip}")
+        self.cost = cost
+        self.budget = budget
+        self.refresh_every = int(refresh_every)
+        self.max_skip = int(max_skip)
+        self.live = LiveRoundCost()
+        self._skipped = 0
+        self._skip_len = self.refresh_every - 1
+        self._idle = False  # the last drafted round said drafting does not pay
+        self.last_gain = None  # Θ(drafted) / Θ(plain) of the last drafted round
+
     def set_load(self, base_tokens: int, base_tau: float) -> None:
         self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
 
+    def observe_round(self, num_drafted, draft_s, target_tokens, target_s, round_s):
+        self.live.observe(self.cost, num_drafted, draft_s, target_tokens, target_s, round_s)
+
+    def _round_seconds(self, R: int, drafted: bool):
+        """B (this batch's target tokens) -> seconds of one round, drafted or not."""
+        lv = self.live
+        extra = lv.overhead_s + (lv.draft_seconds(R) if drafted else 0.0)
+        return lambda B: lv.scale * self.cost.step_time(self.base_tokens + B) + extra
+
     def _search(self, a: torch.Tensor, early_stop: bool):
         return greedy_prefix_search(a, self.cost, early_stop=early_stop, base_tokens=self.base_tokens,
-                                    base_tau=self.base_tau, budget=self.budget)
+                                    base_tau=self.base_tau, budget=self.budget,
+                                    round_seconds=self._round_seconds(a.shape[0], True))
+
+    def _drafting_gain(self, a: torch.Tensor, depths: Sequence[int]) -> float:
+        """Θ of this drafted round at these depths ÷ Θ of a plain decoding round of the same requests."""
+        R = a.shape[0]
+        K = sum(int(d) for d in depths)
+        drafted = (self.base_tau + R + admitted_survival(a, depths)) / self._round_seconds(R, True)(R + K)
+        plain = (self.base_tau + R) / self._round_seconds(R, False)(R)
+        return drafted / plain
 
     def _budget_left(self, num_requests: int) -> bool:
         """False when the R bonus tokens alone use up the budget."""
         return self.budget is None or self.budget > num_requests
 
-    def _draft_unless_idle(self, num_requests: int, nothing_to_verify: bool) -> bool:
+    def _draft_unless_idle(self, num_requests: int, idle: bool) -> bool:
         """The drafting decision both schedulers share: never when the R bonus tokens alone use up the budget;
-        while the past rounds say nothing would be verified, skip, but draft every ``refresh_every``-th such round
-        anyway so the decision can follow the load."""
+        while the past rounds say drafting does not pay, skip, with probe rounds at growing intervals."""
         if not self._budget_left(num_requests):
             return False
-        if nothing_to_verify and self._skipped + 1 < self.refresh_every:
+        if not idle or self.refresh_every == 1:
+            self._skipped, self._skip_len = 0, self.refresh_every - 1
+            return True
+        if self._skipped < self._skip_len:
             self._skipped += 1
             return False
-        self._skipped = 0
+        self._skipped = 0  # probe; if it says no again, wait twice as long before the next one
+        self._skip_len = min(self.max_skip, 2 * self._skip_len + 1)
         return True
+
+    def _reset_shared(self):
+        self._skipped, self._skip_len, self._idle = 0, self.refresh_every - 1, False
 
 
 class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
-    """DSPARK.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising
-    Θ = τ·SPS(B), with the early stop (first non-improving candidate ends the search).
-
-    early_stop=False gives the look-ahead variant, kept only to demonstrate that it is NOT lossless.
-
-    Back-off: when a drafted round admitted no draft at all, the next ``refresh_every - 1`` rounds skip drafting
-    (decode one token per request) and the one after drafts again to look.  The decision uses past rounds only, so it
-    stays lossless; it saves the drafting cost while the drafts are not worth verifying.  refresh_every=1: off.
-    """
+    """DSPARK.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising Θ (the
+    round's tokens per second, see _SharedHardware), with the early stop (first non-improving candidate ends the
+    search).  early_stop=False gives the look-ahead variant, kept only to demonstrate that it is NOT lossless.
+    refresh_every=1 turns the drafting back-off off (draft every round)."""
 
     name = "hardware"
     needs_confidence = True
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, early_stop: bool = True,
-                 budget: int | None = None, refresh_every: int = 4):
-        if refresh_every < 1:
-            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
-        self.cost = cost
+                 budget: int | None = None, refresh_every: int = 4, max_skip: int = 31):
+        self._init_shared(cost, budget, refresh_every, max_skip)
         self.temperatures = temperatures
         self.early_stop = early_stop
-        self.budget = budget
-        self.last_theta = None
-        self.refresh_every = refresh_every
-        self._nothing_admitted = False
-        self._skipped = 0
 
     def reset(self):
-        self._nothing_admitted = False
-        self._skipped = 0
+        self._reset_shared()
 
     def schedule(self, conf_logits, max_depth):
         if conf_logits is None:
             raise ValueError("HardwareAwarePrefix needs confidence logits (a DSpark drafter)")
         a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
         depths, _ = self._search(a, self.early_stop)
-        self._nothing_admitted = not any(depths)
+        self.last_gain = self._drafting_gain(a, depths)
+        self._idle = not any(depths) or self.last_gain <= 1.0
         return depths
 
     def draft_this_round(self, num_requests):
-        return self._draft_unless_idle(num_requests, self._nothing_admitted)
+        return self._draft_unless_idle(num_requests, self._idle)
 
 
 class AsyncCapacity(_SharedHardware, VerificationScheduler):
@@ -292,42 +417,39 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
 
     B_cap never depends on this round's tokens, and (r, j) is admitted iff fewer than K candidates outrank it, which
     depends only on x_{r,<j} and on other requests: lossless.  Before ``lag`` rounds of history exist,
-    ``initial_capacity`` (None -> verify everything) is used.
+    ``initial_capacity`` (None -> verify everything) is used.  Drafting is skipped (with probes) while the lagged
+    capacity leaves nothing to verify or the lagged round said drafting does not pay.
     """
 
     name = "async"
     needs_confidence = True
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, lag: int = 2,
-                 initial_capacity: int | None = None, refresh_every: int = 4, budget: int | None = None):
+                 initial_capacity: int | None = None, refresh_every: int = 4, budget: int | None = None,
+                 max_skip: int = 31):
         if lag < 1:
             raise ValueError("lag must be >= 1 (lag 0 would use the current tokens: lossy)")
-        self.cost = cost
+        self._init_shared(cost, budget, refresh_every, max_skip)
         self.temperatures = temperatures
         self.lag = lag
         self.initial_capacity = initial_capacity
-        self._hist: deque = deque(maxlen=lag)
+        self._hist: deque = deque(maxlen=lag)  # (capacity, drafting paid) per drafted round
         self.last_capacity = None
-        self.refresh_every = refresh_every
-        self._skipped = 0
-        self.budget = budget
 
     def reset(self):
         self._hist.clear()
-        self._skipped = 0
+        self._reset_shared()
 
     def draft_this_round(self, num_requests):
-        """Skip drafting while the lagged capacity leaves no verify token beyond the R bonus tokens; every
-        ``refresh_every``-th such round drafts anyway so the capacity history follows the load.  A budget used up
-        by the bonus tokens alone skips drafting outright."""
         cap = self.capacity()
-        return self._draft_unless_idle(num_requests, cap is not None and cap <= num_requests)
+        idle = cap is not None and (cap <= num_requests or not self._hist[0][1])
+        return self._draft_unless_idle(num_requests, idle)
 
     def capacity(self) -> int | None:
         """Total verify tokens B_cap for the coming round (None: no history yet)."""
         if len(self._hist) < self.lag:
             return self.initial_capacity
-        return self._hist[0]
+        return self._hist[0][0]
 
     def schedule(self, conf_logits, max_depth):
         if conf_logits is None:
@@ -343,8 +465,9 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
             depths[r] = max(depths[r], j)
         self.last_capacity = R + K if cap is not None else None
         # this round's capacity, used `lag` rounds from now
-        _, k_best = self._search(a, early_stop=False)
-        self._hist.append(R + k_best)
+        best_depths, k_best = self._search(a, early_stop=False)
+        self.last_gain = self._drafting_gain(a, best_depths)
+        self._hist.append((R + k_best, k_best > 0 and self.last_gain > 1.0))
         return depths
 
 

@@ -460,30 +460,42 @@ class TargetRunner:
                      repeats: int = 5, warmup: int = 2) -> float:
         """Median seconds of one forward of ``num_tokens`` new tokens spread over ceil(B / max_tokens_per_request)
         requests, each holding ``context_len`` cached tokens (logits for all new tokens, as in verification)."""
-        nreq = max(1, math.ceil(num_tokens / max_tokens_per_request))
-        per = [num_tokens // nreq + (1 if i < num_tokens % nreq else 0) for i in range(nreq)]
-        slots = [self.alloc() for _ in range(nreq)]
+        return self.time_forwards([num_tokens], context_len, max_tokens_per_request, repeats, warmup)[num_tokens]
+
+    def time_forwards(self, token_counts: Sequence[int], context_len: int = 300, max_tokens_per_request: int = 8,
+                      repeats: int = 5, warmup: int = 2) -> dict:
+        """{B: median seconds} for several B, measured in interleaved sweeps (every B once per sweep, ``warmup``
+        sweeps discarded), so a burst of contention on a shared machine hits all B alike instead of one B's block."""
+        counts = sorted({int(b) for b in token_counts})
+        if not counts or counts[0] < 1:
+            raise ValueError(f"token counts must be >= 1, got {token_counts}")
+        split = {}
+        for b in counts:
+            nreq = max(1, math.ceil(b / max_tokens_per_request))
+            split[b] = [b // nreq + (1 if i < b % nreq else 0) for i in range(nreq)]
+        slots = [self.alloc() for _ in range(max(len(p) for p in split.values()))]
         g = torch.Generator().manual_seed(0)
+        times: dict = {b: [] for b in counts}
         try:
             for s in slots:
                 ctx = torch.randint(0, self.config.vocab_size, (context_len,), generator=g)
                 self.forward([s], [ctx], logits_last=0)
-            times = []
             for i in range(warmup + repeats):
-                batch = [torch.randint(0, self.config.vocab_size, (p,), generator=g) for p in per]
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                self.forward(slots, batch)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                for s in slots:
-                    self.truncate(s, context_len)
-                if i >= warmup:
-                    times.append(dt)
-            times.sort()
-            return times[len(times) // 2]
+                for b in counts:
+                    per = split[b]
+                    batch = [torch.randint(0, self.config.vocab_size, (p,), generator=g) for p in per]
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    self.forward(slots[:len(per)], batch)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    for s in slots[:len(per)]:
+                        self.truncate(s, context_len)
+                    if i >= warmup:
+                        times[b].append(dt)
+            return {b: sorted(ts)[len(ts) // 2] for b, ts in times.items()}
         finally:
             for s in slots:
                 self.free(s)

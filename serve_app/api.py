@@ -401,6 +401,15 @@ def prometheus_text(m: Metrics, view: dict, model: str) -> str:
             rows.append(f'dspark_sps{{replica="{rid}",batch_tokens="{b}"}} {s}')
     if rows:
         metric("dspark_sps", "gauge", "profiled target steps/s for B tokens per forward", rows)
+    rows = []
+    for rid, st in sorted(view.items()):
+        live = st.get("live_cost") or {}
+        for r, sec in sorted((live.get("draft_s") or {}).items(), key=lambda kv: int(kv[0])):
+            rows.append(f'dspark_draft_round_seconds{{replica="{rid}",requests="{r}"}} {sec}')
+    if rows:
+        metric("dspark_draft_round_seconds", "gauge", "measured drafting round time for R requests (EMA)", rows)
+    per("dspark_replica_cost_scale", "gauge", "measured / profiled target step time (EMA)", "cost_scale", "{:.4f}")
+    per("dspark_replica_skipped_drafts", "counter", "rounds in which drafting was skipped", "skipped_drafts")
     return "\n".join(L) + "\n"
 
 

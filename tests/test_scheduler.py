@@ -8,8 +8,8 @@ import torch
 
 from pipeline.rejection_sampler import RejectionSampler
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import (AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix, StaticThreshold,
-                                make_scheduler, sorted_candidates, survival)
+from pipeline.scheduler import (AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix, LiveRoundCost,
+                                StaticThreshold, make_scheduler, sorted_candidates, survival)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,6 +53,28 @@ def test_cost_table_profile_times_the_runner():
     assert [b for b, _ in ct.points] == [1, 3, 9] and all(t > 0 for _, t in ct.points)
     assert ct.meta["context_len"] == 20
     assert not r._used  # profiling slots released
+
+
+def test_implausible_profiles_are_measured_again(tmp_path):
+    """A cached table caught under contention (1 token slower than 16) is replaced by a fresh profile."""
+    from serve_app.replica import MAX_INVERSION, ReplicaOptions, cost_table_key, load_or_profile_cost_table
+    from pipeline.target_runner import TargetRunner
+    from toy_drafter import tiny_llama
+
+    assert CostTable({1: 0.1, 2: 0.15, 8: 0.2}).inversion() == 0.0
+    bad = CostTable({1: 0.46, 2: 1.72, 16: 1.09, 32: 2.34})  # the table an overloaded machine once produced
+    assert bad.inversion() == pytest.approx(1.72 / 1.09 - 1) and bad.inversion() > MAX_INVERSION
+    target = tmp_path / "target"
+    tiny_llama().save_pretrained(target)
+    opts = ReplicaOptions(target=str(target), cache_dir=str(tmp_path / "cache"), profile_batch_sizes=[1, 2, 4],
+                          profile_context_len=8, profile_repeats=1)
+    path = tmp_path / "cache" / f"sps-{cost_table_key(opts, 4)}.json"
+    path.parent.mkdir()
+    bad.save(path)
+    runner = TargetRunner.from_pretrained(str(target), "float32", device="cpu")
+    table, got_path, profiled = load_or_profile_cost_table(runner, opts, 4)
+    assert profiled and got_path == path and [b for b, _ in table.points] == [1, 2, 4]
+    assert CostTable.load(path).points == table.points and "inversion" in table.meta
 
 
 # ------------------------------------------------------------------------------------------------ simple rules
@@ -241,9 +263,14 @@ def test_drafting_skipped_only_when_nothing_can_be_verified():
     s.schedule(lo, [3])
     s.schedule(lo, [3])
     assert s.capacity() == 1  # R bonus tokens only: nothing to verify
-    # skipped twice, then one refresh round drafts so the capacity history can follow the load
-    assert [s.draft_this_round(1) for _ in range(6)] == [False, False, True, False, False, True]
-    assert s.draft_this_round(0)  # capacity 1 > 0 requests: something could be verified
+    # skipped twice, then one probe round drafts so the capacity history can follow the load; the next probe comes
+    # after 5 skipped rounds (the interval doubles while probes keep saying no)
+    assert [s.draft_this_round(1) for _ in range(9)] == [False] * 2 + [True] + [False] * 5 + [True]
+    hi = Z([[0.99, 0.99, 0.99]])
+    s.schedule(hi, [3])
+    s.schedule(hi, [3])
+    assert s.capacity() == 4 and s.draft_this_round(1)  # sure drafts pay: drafting resumes every round
+    assert [s.draft_this_round(1) for _ in range(3)] == [True] * 3
 
 
 def test_hardware_prefix_backs_off_after_a_round_that_admitted_nothing():
@@ -253,6 +280,10 @@ def test_hardware_prefix_backs_off_after_a_round_that_admitted_nothing():
     assert s.schedule(Z([[0.05, 0.05, 0.05]]), [3]) == [0]
     # nothing admitted: two rounds without drafting, then one drafts again to look
     assert [s.draft_this_round(1) for _ in range(3)] == [False, False, True]
+    assert s.schedule(Z([[0.05, 0.05, 0.05]]), [3]) == [0]  # the probe says no again: wait 5 rounds, then 11, ...
+    assert [s.draft_this_round(1) for _ in range(6)] == [False] * 5 + [True]
+    assert s.schedule(Z([[0.05, 0.05, 0.05]]), [3]) == [0]
+    assert [s.draft_this_round(1) for _ in range(12)] == [False] * 11 + [True]
     assert s.schedule(Z([[0.99, 0.99, 0.99]]), [3]) != [0]  # worth it now: drafting resumes every round
     assert [s.draft_this_round(1) for _ in range(3)] == [True, True, True]
     off = HardwareAwarePrefix(ct, refresh_every=1)
@@ -274,3 +305,40 @@ def test_make_scheduler():
         make_scheduler("hardware")
     with pytest.raises(ValueError):
         make_scheduler("nope")
+
+
+def test_drafting_cost_enters_the_objective_and_the_draft_or_not_decision():
+    """The paper's Θ = τ·SPS(B) prices only the target step.  Once the engine reports that a drafting round costs
+    0.6 s (the step itself 1.0-1.3 s), the same drafts that paid before no longer do: the drafted round admits MORE
+    (the drafting cost is sunk and amortised) but the scheduler stops drafting for the next rounds."""
+    ct = CostTable({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3})
+    half = Z([[0.5, 0.5, 0.5]])  # survival 0.5, 0.25, 0.125
+    s = HardwareAwarePrefix(ct, refresh_every=2)
+    assert s.schedule(half, [3]) == [2]  # 1.75 / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
+    assert s.last_gain == pytest.approx(1.75 / 1.2) and s.draft_this_round(1)
+    s.observe_round(1, draft_s=0.6, target_tokens=3, target_s=1.2, round_s=1.8)
+    assert s.live.draft_seconds(1) == pytest.approx(0.6) and s.live.scale == pytest.approx(1.0)
+    assert s.schedule(half, [3]) == [3]  # 1.875 / 1.9 > 1.75 / 1.8 > 1.5 / 1.7
+    assert s.last_gain == pytest.approx((1.875 / 1.9) / 1.0) and s.last_gain < 1
+    assert [s.draft_this_round(1) for _ in range(2)] == [False, True]  # skip, then probe
+    # a live target twice as slow as the profile: the drafting cost weighs half as much -> drafting pays again
+    for _ in range(40):
+        s.observe_round(1, draft_s=0.6, target_tokens=3, target_s=2.4, round_s=3.0)
+    assert s.live.scale == pytest.approx(2.0, rel=1e-3)
+    s.schedule(half, [3])
+    assert s.last_gain > 1 and s.draft_this_round(1)
+
+
+def test_live_round_cost():
+    ct = CostTable({1: 0.1, 8: 0.2})
+    lv = LiveRoundCost(alpha=0.5)
+    assert lv.draft_seconds(4) == 0.0 and lv.scale == 1.0  # nothing observed yet: the paper's model
+    lv.observe(ct, 2, 0.02, 8, 0.4, 0.45)
+    assert lv.scale == pytest.approx(2.0) and lv.overhead_s == pytest.approx(0.03)
+    lv.observe(ct, 8, 0.06, 8, 0.2, 0.3)
+    assert lv.scale == pytest.approx(1.5)  # EMA
+    assert lv.draft_seconds(2) == pytest.approx(0.02) and lv.draft_seconds(8) == pytest.approx(0.06)
+    assert lv.draft_seconds(5) == pytest.approx(0.04)  # interpolated
+    assert lv.draft_seconds(1) == pytest.approx(0.02) and lv.draft_seconds(16) == pytest.approx(0.06)  # flat ends
+    lv.observe(ct, 0, 0.0, 0, 0.0, 0.1)  # a round without a target forward changes nothing
+    assert lv.rounds == 2

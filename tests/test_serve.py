@@ -368,7 +368,8 @@ def test_router_prefers_idle_replica_and_disconnect_aborts(server):
         assert time.time() < deadline, f"abort not seen: {vals}"
         time.sleep(0.5)
     for name in ("dspark_output_tokens_per_second", "dspark_acceptance_length", "dspark_verified_depth_bucket",
-                 "dspark_replica_queue_depth", "dspark_sps{", "dspark_ttft_seconds_bucket"):
+                 "dspark_replica_queue_depth", "dspark_sps{", "dspark_ttft_seconds_bucket",
+                 "dspark_draft_round_seconds{", "dspark_replica_cost_scale{"):
         assert name in txt, name
 
 
