@@ -136,6 +136,7 @@ class _Request:
     generator: torch.Generator | None
     slot: int = -1
     draft_state: object = None
+    pending_ctx: list = field(default_factory=list)  # [(aux [n, k·d], start position)] not yet in draft_state
     prefilled: bool = False
     output_ids: list = field(default_factory=list)
     finished: bool = False
@@ -295,6 +296,7 @@ class SpeculativeEngine:
             if free is not None:
                 free(req.draft_state)
             req.draft_state = None
+        req.pending_ctx = []
 
     # ------------------------------------------------------------------ one round
     @torch.inference_mode()
@@ -376,9 +378,13 @@ class SpeculativeEngine:
                            [r.params for r in batch], [r.generator or self.generator for r in batch], q_rows=rows)
         self.timers.verify_s += time.perf_counter() - t1
 
+        if q_row:  # what the drafted rows' verification gave, in the order the scheduler saw them
+            pos = {r.request_id: i for i, r in enumerate(batch)}
+            self.scheduler.observe_acceptance([dlist[pos[r.request_id]] for r in spec],
+                                              [res.num_accepted[pos[r.request_id]] for r in spec])
+
         # --- commit -------------------------------------------------------------------------------------------
         outputs = []
-        ext_states, ext_aux, ext_pos = [], [], []
         for i, r in enumerate(batch):
             m, toks = res.num_accepted[i], res.tokens[i]
             is_prefill = i < len(prefill)
@@ -410,21 +416,16 @@ class SpeculativeEngine:
                 # target cache keeps the verified prefix [x_0..x_m]; the new anchor (last token) is not cached yet
                 keep = len(r.prompt_ids) if is_prefill else n + m + 1
                 T.truncate(r.slot, keep)
-                if self.drafter is not None:
-                    if r.draft_state is None:
-                        r.draft_state = self.drafter.new_state()
+                if self.drafter is not None:  # the drafter's context follows lazily (_flush_context)
                     aux = out.aux_of(i)
-                    ext_states.append(r.draft_state)
-                    ext_aux.append(aux if is_prefill else aux[:m + 1])
-                    ext_pos.append(n)
+                    r.pending_ctx.append(((aux if is_prefill else aux[:m + 1]).clone(), n))
             outputs.append(self._output(r, emitted))
-        if ext_states:
+        # the drafter context is extended only before a round that drafts (a skipped round costs no drafter time);
+        # a long backlog is folded in anyway to bound its memory
+        backlog = [r for r in self.requests.values() if len(r.pending_ctx) >= self.MAX_PENDING_CONTEXT]
+        if backlog:
             t2 = time.perf_counter()
-            if hasattr(self.drafter, "extend_contexts"):  # one batched pass (pipeline.drafter.DSparkDrafter)
-                self.drafter.extend_contexts(ext_states, ext_aux, ext_pos)
-            else:
-                for st, a, p in zip(ext_states, ext_aux, ext_pos):
-                    self.drafter.extend_context(st, a, p)
+            self._flush_context(backlog)
             self.timers.draft_s += time.perf_counter() - t2
         self.timers.steps += 1
         round_s = time.perf_counter() - t_start
@@ -434,8 +435,32 @@ class SpeculativeEngine:
                                         round_s)
         return outputs
 
+    MAX_PENDING_CONTEXT = 32  # rounds of verified tokens a request may hold before its drafter context is extended
+
+    def _flush_context(self, reqs: Sequence[_Request]) -> None:
+        """Append every request's pending verified tokens to its drafter context: one batched pass with
+        ``extend_contexts`` (pipeline.drafter.DSparkDrafter; a request's rounds concatenated), else one
+        ``extend_context`` call per round in order."""
+        todo = [r for r in reqs if r.pending_ctx]
+        for r in todo:
+            if r.draft_state is None:
+                r.draft_state = self.drafter.new_state()
+        if hasattr(self.drafter, "extend_contexts"):
+            self.drafter.extend_contexts(
+                [r.draft_state for r in todo],
+                [r.pending_ctx[0][0] if len(r.pending_ctx) == 1 else torch.cat([a for a, _ in r.pending_ctx])
+                 for r in todo],
+                [r.pending_ctx[0][1] for r in todo])
+        else:
+            for r in todo:
+                for aux, pos in r.pending_ctx:
+                    self.drafter.extend_context(r.draft_state, aux, pos)
+        for r in todo:
+            r.pending_ctx = []
+
     def _propose(self, decode: list[_Request]):
         """Group requests by draft sampling params (seeded requests alone, with their own generator)."""
+        self._flush_context(decode)
         groups: dict = {}
         for r in decode:
             dp = self._draft_params(r.params)

@@ -260,6 +260,9 @@ class VerificationScheduler:
         seconds, target tokens and forward seconds, the whole round's seconds.  Cost-aware schedulers learn from
         them; the others ignore them."""
 
+    def observe_acceptance(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """After a drafted round: drafts verified (L) and accepted (m) per row of the last ``schedule`` call."""
+
     def reset(self) -> None:
         pass
 
@@ -296,6 +299,55 @@ class StaticThreshold(VerificationScheduler):
         return [min(int(o), int(m)) for o, m in zip(ok, max_depth)]
 
 
+class OnlineCalibration:
+    """Realised acceptance vs predicted survival, per depth position, over recent rounds (DSPARK.md §4 calibrates
+    the confidence head offline, on held-out training data; live traffic can differ, and an over-confident head makes
+    Algorithm 1 verify drafts that are then rejected).
+
+    After each round the engine reports, per drafted request, how many drafts were verified (L) and accepted (m).
+    For every position j <= L the scheduler had predicted survival a_j; the realised event is m >= j.  With
+    exponentially decayed sums P_j (predicted) and A_j (realised) and a prior of ``prior`` pseudo-rounds at ratio 1,
+    the correction is ρ_j = (A_j + prior) / (P_j + prior) and the scheduler uses a'_j = min(1, ρ_j · a_j), made
+    non-increasing in j.  ρ comes from past rounds only, so the depth rule stays lossless.
+    """
+
+    def __init__(self, gamma: int | None = None, decay: float = 0.98, prior: float = 4.0):
+        self.decay, self.prior = float(decay), float(prior)
+        self.pred = torch.zeros(gamma or 0, dtype=torch.float64)
+        self.real = torch.zeros(gamma or 0, dtype=torch.float64)
+
+    def _grow(self, g: int):
+        if self.pred.numel() < g:
+            pad = torch.zeros(g - self.pred.numel(), dtype=torch.float64)
+            self.pred, self.real = torch.cat([self.pred, pad]), torch.cat([self.real, pad.clone()])
+
+    def ratio(self, g: int) -> torch.Tensor:
+        self._grow(g)
+        return ((self.real + self.prior) / (self.pred + self.prior))[:g]
+
+    def apply(self, a: torch.Tensor) -> torch.Tensor:
+        """a [R, γ] survival -> corrected survival (same zeros beyond each request's max depth)."""
+        if a.numel() == 0:
+            return a
+        rho = self.ratio(a.shape[-1]).to(a.device)
+        out = (a.double() * rho).clamp(max=1.0)
+        return torch.cummin(out, dim=-1).values
+
+    def observe(self, a: torch.Tensor, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """a [R, γ] the survival the round was scheduled with; verified L_r, accepted m_r per row."""
+        g = a.shape[-1]
+        self._grow(g)
+        j = torch.arange(1, g + 1)
+        L = torch.as_tensor(list(verified), dtype=torch.long)[:, None]
+        m = torch.as_tensor(list(accepted), dtype=torch.long)[:, None]
+        seen = (j[None, :] <= L).double()
+        self.pred[:g] = self.decay * self.pred[:g] + (a.double().cpu() * seen).sum(0)
+        self.real[:g] = self.decay * self.real[:g] + ((j[None, :] <= m).double() * seen).sum(0)
+
+    def to_dict(self) -> dict:
+        return {"ratio": [round(float(x), 4) for x in self.ratio(self.pred.numel())]}
+
+
 class _SharedHardware:
     """What Algorithm 1's two cost-aware schedulers share.
 
@@ -316,7 +368,8 @@ class _SharedHardware:
     base_tau: float = 0.0
     budget: int | None = None
 
-    def _init_shared(self, cost: CostTable, budget: int | None, refresh_every: int, max_skip: int):
+    def _init_shared(self, cost: CostTable, budget: int | None, refresh_every: int, max_skip: int,
+                     online_calibration: bool = True):
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         if max_skip < refresh_every - 1:
@@ -326,6 +379,8 @@ class _SharedHardware:
         self.refresh_every = int(refresh_every)
         self.max_skip = int(max_skip)
         self.live = LiveRoundCost()
+        self.online = OnlineCalibration() if online_calibration else None
+        self._last_a = None  # the survival matrix of the last drafted round (for observe_acceptance)
         self._skipped = 0
         self._skip_len = self.refresh_every - 1
         self._idle = False  # the last drafted round said drafting does not pay
@@ -336,6 +391,19 @@ class _SharedHardware:
 
     def observe_round(self, num_drafted, draft_s, target_tokens, target_s, round_s):
         self.live.observe(self.cost, num_drafted, draft_s, target_tokens, target_s, round_s)
+
+    def observe_acceptance(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        if self.online is not None and self._last_a is not None and len(verified) == self._last_a.shape[0]:
+            self.online.observe(self._last_a, verified, accepted)
+        self._last_a = None
+
+    def _survival(self, conf_logits: torch.Tensor, max_depth: Sequence[int]) -> torch.Tensor:
+        """Calibrated survival (STS), corrected online when enabled; remembered for observe_acceptance."""
+        a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
+        if self.online is not None:
+            a = self.online.apply(a)
+        self._last_a = a
+        return a
 
     def _round_seconds(self, R: int, drafted: bool):
         """B (this batch's target tokens) -> seconds of one round, drafted or not."""
@@ -389,8 +457,9 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
     needs_confidence = True
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, early_stop: bool = True,
-                 budget: int | None = None, refresh_every: int = 4, max_skip: int = 31):
-        self._init_shared(cost, budget, refresh_every, max_skip)
+                 budget: int | None = None, refresh_every: int = 4, max_skip: int = 31,
+                 online_calibration: bool = True):
+        self._init_shared(cost, budget, refresh_every, max_skip, online_calibration)
         self.temperatures = temperatures
         self.early_stop = early_stop
 
@@ -400,7 +469,7 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
     def schedule(self, conf_logits, max_depth):
         if conf_logits is None:
             raise ValueError("HardwareAwarePrefix needs confidence logits (a DSpark drafter)")
-        a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
+        a = self._survival(conf_logits, max_depth)
         depths, _ = self._search(a, self.early_stop)
         self.last_gain = self._drafting_gain(a, depths)
         self._idle = not any(depths) or self.last_gain <= 1.0
@@ -426,10 +495,10 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, lag: int = 2,
                  initial_capacity: int | None = None, refresh_every: int = 4, budget: int | None = None,
-                 max_skip: int = 31):
+                 max_skip: int = 31, online_calibration: bool = True):
         if lag < 1:
             raise ValueError("lag must be >= 1 (lag 0 would use the current tokens: lossy)")
-        self._init_shared(cost, budget, refresh_every, max_skip)
+        self._init_shared(cost, budget, refresh_every, max_skip, online_calibration)
         self.temperatures = temperatures
         self.lag = lag
         self.initial_capacity = initial_capacity
@@ -455,7 +524,7 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
         if conf_logits is None:
             raise ValueError("AsyncCapacity needs confidence logits (a DSpark drafter)")
         R = len(max_depth)
-        a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
+        a = self._survival(conf_logits, max_depth)
         cap = self.capacity()
         K = sum(int(m) for m in max_depth) if cap is None else max(0, int(cap) - R)
         if self.budget is not None:

@@ -84,6 +84,52 @@ def test_no_drafting_when_nothing_is_verified(target, refs):
     assert [o.output_ids for o in outs] == refs and calls and outs[0].stats.accepted > 0
 
 
+class _EveryThird(FixedDepth):
+    """Drafts one round in three (a back-off pattern) and verifies everything when it does."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.n = 0
+
+    def draft_this_round(self, num_requests):
+        self.n += 1
+        return self.n % 3 == 0
+
+
+def test_drafter_context_catches_up_lazily_after_skipped_rounds(target, refs):
+    """Rounds that skip drafting do not touch the drafter: their verified tokens wait in the request and reach the
+    drafter's context, in order and at the right positions, just before the next drafting round (the toy drafter
+    asserts consecutive positions and recovers the tokens from the aux features)."""
+    eng = _engine(target, scheduler=_EveryThird())
+    events, full = [], [tuple(p + r) for p, r in zip(PROMPTS, refs)]
+    orig_prop, orig_ext, orig_step = eng.drafter.propose, eng.drafter.extend_context, eng.step
+
+    def propose(states, anchors, *a, **k):
+        for st, x in zip(states, anchors.tolist()):  # context + anchor = a prefix of prompt + greedy output
+            ctx = tuple(st.tokens) + (x,)
+            assert any(f[:len(ctx)] == ctx for f in full), ctx
+        events.append("propose")
+        return orig_prop(states, anchors, *a, **k)
+
+    def extend(*a, **k):
+        events.append("extend")
+        return orig_ext(*a, **k)
+
+    def step():
+        events.append("|")
+        return orig_step()
+
+    eng.drafter.propose, eng.drafter.extend_context, eng.step = propose, extend, step
+    outs = eng.generate(PROMPTS, SamplingParams(), max_tokens=NTOK)
+    assert [o.output_ids for o in outs] == refs
+    assert outs[0].stats.accepted > 0 and eng.timers.skipped_drafts > 0
+    rounds = " ".join(events).split("|")[1:]
+    # the drafter is touched only in rounds that draft: pending extensions, then the proposal
+    assert all(r.split() in ([], ["propose"]) or r.split()[-1] == "propose" for r in rounds), rounds
+    assert any(r.split().count("extend") > len(PROMPTS) for r in rounds)  # several rounds caught up at once
+    assert not eng.target._used and eng.drafter.live_states == 0
+
+
 def test_batched_equals_single_with_join_and_leave(target, refs):
     single = []
     for p in PROMPTS:

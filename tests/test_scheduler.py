@@ -9,7 +9,7 @@ import torch
 from pipeline.rejection_sampler import RejectionSampler
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import (AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix, LiveRoundCost,
-                                StaticThreshold, make_scheduler, sorted_candidates, survival)
+                                OnlineCalibration, StaticThreshold, make_scheduler, sorted_candidates, survival)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -342,3 +342,35 @@ def test_live_round_cost():
     assert lv.draft_seconds(1) == pytest.approx(0.02) and lv.draft_seconds(16) == pytest.approx(0.06)  # flat ends
     lv.observe(ct, 0, 0.0, 0, 0.0, 0.1)  # a round without a target forward changes nothing
     assert lv.rounds == 2
+
+
+def test_online_calibration_corrects_an_over_confident_head():
+    """The head says 0.9 per step but live traffic accepts nothing: after a few observed rounds the survival the
+    scheduler uses falls, Algorithm 1 stops admitting, and drafting backs off.  An honest head is left alone."""
+    oc = OnlineCalibration(decay=1.0, prior=4.0)
+    a = survival(torch.full((2, 3), 0.9, dtype=torch.float64), [3, 3])
+    assert torch.equal(oc.apply(a), a)  # nothing observed: identity
+    oc.observe(a, verified=[3, 1], accepted=[0, 1])
+    # position 1: predicted 0.9 + 0.9, realised 0 + 1; position 2: predicted 0.81, realised 0
+    assert oc.ratio(3).tolist() == pytest.approx([(1 + 4) / (1.8 + 4), 4 / 4.81, 4 / 4.729])
+    b = oc.apply(a)
+    assert (b <= a).all() and (b[:, 1:] <= b[:, :-1]).all()  # lower, still a survival curve
+    assert OnlineCalibration().apply(torch.ones(1, 3, dtype=torch.float64)).max() <= 1.0
+
+    ct = CostTable({1: 1.0, 2: 1.5, 3: 1.6, 4: 1.7})  # the first draft costs half a step, later ones little
+    conf = Z([[0.9, 0.9, 0.9]])
+    s = HardwareAwarePrefix(ct, refresh_every=2)
+    assert s.schedule(conf, [3]) == [3]
+    for _ in range(10):
+        d = s.schedule(conf, [3])
+        s.observe_acceptance(d, [0])  # every draft rejected
+    assert s.schedule(conf, [3]) == [0] and not s.draft_this_round(1)
+    honest = HardwareAwarePrefix(ct, refresh_every=2)
+    for i in range(10):
+        d = honest.schedule(conf, [3])
+        honest.observe_acceptance(d, [3 if i % 10 < 7 else 0])  # accepted ~ as predicted (0.9, 0.81, 0.73)
+    assert honest.schedule(conf, [3]) == [3] and honest.draft_this_round(1)
+    off = HardwareAwarePrefix(ct, online_calibration=False)
+    for _ in range(10):
+        off.observe_acceptance(off.schedule(conf, [3]), [0])
+    assert off.schedule(conf, [3]) == [3]
