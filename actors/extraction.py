@@ -89,6 +89,8 @@ class VLLMExtractor:
                  dtype: str = "auto", target_lse: bool = True):
         self.layer_ids = list(layer_ids)
         self.kind = kind
+        # cumulative seconds per part of __call__ (scripts/bench_extract.py prints them)
+        self.timers = {"engine": 0.0, "collect": 0.0, "norm": 0.0, "lse": 0.0, "serialize": 0.0}
         self.want = sorted(set(self.layer_ids) | {n_layers})  # layer L always, for the final hidden state
         self.norm_w, self.eps = _final_norm(target)
         self.lm_head = None
@@ -108,9 +110,11 @@ class VLLMExtractor:
 
         from actors.cpu_hidden_states_connector import _REGISTRY, pop_hidden_states
 
+        t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, temperature=0),
                                  use_tqdm=False)
         keys = [o.kv_transfer_params["hidden_states_path"] for o in outs]
+        t1 = time.perf_counter()
         for _ in range(64):  # the connector finishes its copies on the engine's next steps
             if all(k in _REGISTRY for k in keys):
                 break
@@ -121,6 +125,8 @@ class VLLMExtractor:
             if d["token_ids"].tolist() != s:
                 raise RuntimeError("vLLM returned hidden states for different tokens than requested")
             result.append(d["hidden_states"])  # [T, len(want), d]
+        self.timers["engine"] += t1 - t0
+        self.timers["collect"] += time.perf_counter() - t1
         return result
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -128,10 +134,12 @@ class VLLMExtractor:
         out = []
         if self.kind == "vllm":
             hidden = self._vllm_hidden([r["input_ids"] for r in rows])
+            idx = [self.want.index(k) for k in self.layer_ids]
             for r, hs in zip(rows, hidden):
-                idx = [self.want.index(k) for k in self.layer_ids]
+                t0 = time.perf_counter()
                 aux = hs[:, idx].reshape(hs.shape[0], -1).to(torch.bfloat16)
                 last = rms_norm_fp32(hs[:, self.want.index(self.want[-1])], self.norm_w, self.eps).to(torch.bfloat16)
+                self.timers["norm"] += time.perf_counter() - t0
                 out.append(self._row(r, aux, last))
         else:
             for r in rows:
@@ -140,11 +148,16 @@ class VLLMExtractor:
         return pa.Table.from_pylist(out, schema=_OUT_SCHEMA)
 
     def _row(self, r, aux, last):
+        t0 = time.perf_counter()
         lse = None if self.lm_head is None else tensor_to_bytes(full_vocab_lse(last, self.lm_head))
-        return dict(request_id=r["request_id"], n_tokens=len(r["input_ids"]),
-                    input_ids=tensor_to_bytes(torch.tensor(r["input_ids"], dtype=torch.int32)),
-                    loss_mask=tensor_to_bytes(torch.tensor(r["loss_mask"], dtype=torch.uint8)),
-                    aux_hidden=tensor_to_bytes(aux), last_hidden=tensor_to_bytes(last), target_lse=lse)
+        t1 = time.perf_counter()
+        row = dict(request_id=r["request_id"], n_tokens=len(r["input_ids"]),
+                   input_ids=tensor_to_bytes(torch.tensor(r["input_ids"], dtype=torch.int32)),
+                   loss_mask=tensor_to_bytes(torch.tensor(r["loss_mask"], dtype=torch.uint8)),
+                   aux_hidden=tensor_to_bytes(aux), last_hidden=tensor_to_bytes(last), target_lse=lse)
+        self.timers["lse"] += t1 - t0
+        self.timers["serialize"] += time.perf_counter() - t1
+        return row
 
 
 def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tensor]:

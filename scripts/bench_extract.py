@@ -24,6 +24,8 @@ def main():
     ap.add_argument("--seq-len", type=int, default=384, help="synthetic sequence length (without --responses)")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     ap.add_argument("--layer-ids", default="2,15,28")
+    ap.add_argument("--no-target-lse", action="store_true",
+                    help="skip the full-vocabulary logsumexp per token (the extractor's extra LM-head pass)")
     args = ap.parse_args()
     apply_env()
     ray = init_ray(num_cpus=2)
@@ -69,7 +71,7 @@ def main():
     @ray.remote(num_cpus=1, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"}})
     class Extract:
         def __init__(self):
-            self.ex = VLLMExtractor(target, ids, L, max_len)
+            self.ex = VLLMExtractor(target, ids, L, max_len, target_lse=not args.no_target_lse)
 
         def run(self, seqs):
             t = time.perf_counter()
@@ -77,6 +79,9 @@ def main():
                                                 for i, s in enumerate(seqs)], schema=_IN_SCHEMA))
             assert out.num_rows == len(seqs)
             return time.perf_counter() - t
+
+        def timers(self):
+            return dict(self.ex.timers)
 
     a, b = Prefill.remote(), Extract.remote()
     ray.get([a.run.remote(seqs[:2]), b.run.remote(seqs[:2])])  # warm-up
@@ -90,6 +95,10 @@ def main():
     print(f"median prefill    {ntok / ma:8.0f} tok/s")
     print(f"median extraction {ntok / mb:8.0f} tok/s")
     print(f"extraction / prefill = {ma / mb:.2f}x  (goal >= 0.8)")
+    tm = ray.get(b.timers.remote())
+    total = sum(tm.values())
+    print("extraction time by part (all calls incl. warm-up): "
+          + ", ".join(f"{k} {v:.2f}s ({100 * v / max(total, 1e-9):.0f}%)" for k, v in tm.items()))
     print(f"stored bytes per token: {bytes_per_token(len(ids), 576)}")
 
 
