@@ -147,6 +147,11 @@ class _Request:
     stats: RequestStats = field(default_factory=RequestStats)
     arrival: int = 0
 
+    @property
+    def seeded_sampling(self) -> bool:
+        """Sampling with its own seeded generator: its random stream must depend on its seed only."""
+        return self.generator is not None and self.params.temperature > 0
+
 
 @dataclass
 class EngineTimers:
@@ -326,7 +331,7 @@ class SpeculativeEngine:
         # a seeded sampling request's random stream must not depend on the batch it shares: skipping the drafting
         # round (a batch-level decision) would change what it consumes, so such a round drafts anyway
         if (spec and not self.scheduler.draft_this_round(len(spec))
-                and not any(r.generator is not None and r.params.temperature > 0 for r in spec)):
+                and not any(r.seeded_sampling for r in spec)):
             self.timers.skipped_drafts += 1
             spec = []
         if spec:
@@ -342,7 +347,7 @@ class SpeculativeEngine:
             round_conf = ({r.request_id: conf_rows[j].tolist() for j, r in enumerate(spec)}
                           if self.record_rounds and conf_rows is not None else {})
             for r, d in zip(spec, ds):
-                if r.generator is not None and r.params.temperature > 0:
+                if r.seeded_sampling:
                     # a seeded sampling request is verified at full depth (vLLM's fixed num_speculative_tokens): its
                     # random stream, hence its output, then depends on its seed only, not on the batch or the load
                     d = max_depth[r.request_id]

@@ -78,14 +78,8 @@ class CostTable:
         """Time the target runner's forward for each B (``TargetRunner.time_forwards``: B new tokens over
         ceil(B / max_tokens_per_request) requests with ``context_len`` cached tokens each; interleaved sweeps,
         medians)."""
-        if hasattr(runner, "time_forwards"):
-            pts = runner.time_forwards([int(b) for b in batch_sizes], context_len=context_len,
-                                       max_tokens_per_request=max_tokens_per_request, repeats=repeats,
-                                       warmup=warmup)
-        else:
-            pts = {int(b): runner.time_forward(int(b), context_len=context_len,
-                                               max_tokens_per_request=max_tokens_per_request, repeats=repeats,
-                                               warmup=warmup) for b in batch_sizes}
+        pts = runner.time_forwards([int(b) for b in batch_sizes], context_len=context_len,
+                                   max_tokens_per_request=max_tokens_per_request, repeats=repeats, warmup=warmup)
         meta = {"context_len": context_len, "max_tokens_per_request": max_tokens_per_request, "repeats": repeats,
                 "device": str(getattr(runner, "device", "")), "dtype": str(getattr(runner, "dtype", "")),
                 "threads": torch.get_num_threads()}
@@ -220,6 +214,10 @@ class LiveRoundCost:
                                         max(0.0, round_s - target_s - draft_s))
             self.rounds += 1
 
+    def new_table(self) -> None:
+        """The profiled table was replaced: the scale (relative to the old one) starts over."""
+        self.scale, self.rounds = 1.0, 0
+
     def draft_seconds(self, R: int) -> float:
         if not self.draft:
             return 0.0
@@ -311,10 +309,10 @@ class OnlineCalibration:
     non-increasing in j.  ρ comes from past rounds only, so the depth rule stays lossless.
     """
 
-    def __init__(self, gamma: int | None = None, decay: float = 0.98, prior: float = 4.0):
+    def __init__(self, decay: float = 0.98, prior: float = 4.0):
         self.decay, self.prior = float(decay), float(prior)
-        self.pred = torch.zeros(gamma or 0, dtype=torch.float64)
-        self.real = torch.zeros(gamma or 0, dtype=torch.float64)
+        self.pred = torch.zeros(0, dtype=torch.float64)  # grows to γ on first use
+        self.real = torch.zeros(0, dtype=torch.float64)
 
     def _grow(self, g: int):
         if self.pred.numel() < g:
@@ -511,7 +509,8 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
 
     def draft_this_round(self, num_requests):
         cap = self.capacity()
-        idle = cap is not None and (cap <= num_requests or not self._hist[0][1])
+        paid = self._hist[0][1] if len(self._hist) >= self.lag else True  # no history yet: initial_capacity decides
+        idle = cap is not None and (cap <= num_requests or not paid)
         return self._draft_unless_idle(num_requests, idle)
 
     def capacity(self) -> int | None:

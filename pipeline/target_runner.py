@@ -456,12 +456,6 @@ class TargetRunner:
     def prefill(self, slot: int, ids, aux_layer_ids: Sequence[int] = ()) -> TargetOutput:
         return self.forward([slot], [ids], logits_last=1, aux_layer_ids=aux_layer_ids)
 
-    def time_forward(self, num_tokens: int, context_len: int = 300, max_tokens_per_request: int = 8,
-                     repeats: int = 5, warmup: int = 2) -> float:
-        """Median seconds of one forward of ``num_tokens`` new tokens spread over ceil(B / max_tokens_per_request)
-        requests, each holding ``context_len`` cached tokens (logits for all new tokens, as in verification)."""
-        return self.time_forwards([num_tokens], context_len, max_tokens_per_request, repeats, warmup)[num_tokens]
-
     def time_forwards(self, token_counts: Sequence[int], context_len: int = 300, max_tokens_per_request: int = 8,
                       repeats: int = 5, warmup: int = 2) -> dict:
         """{B: median seconds} for several B, measured in interleaved sweeps (every B once per sweep, ``warmup``

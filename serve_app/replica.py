@@ -392,7 +392,7 @@ class EngineReplica:
                                                                    force=True))
             self.cost_table, self.cost_path = table, path
             self.load_sched.cost = table
-            self.load_sched.live.scale, self.load_sched.live.rounds = 1.0, 0  # the scale was relative to the old table
+            self.load_sched.live.new_table()
         return {"profiled": True, "path": str(path), "step_seconds": dict(table.points)}
 
     async def check_health(self):

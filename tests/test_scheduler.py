@@ -374,3 +374,11 @@ def test_online_calibration_corrects_an_over_confident_head():
     for _ in range(10):
         off.observe_acceptance(off.schedule(conf, [3]), [0])
     assert off.schedule(conf, [3]) == [3]
+
+
+def test_async_initial_capacity_before_any_history():
+    """With an initial capacity and no lagged rounds yet, the decision comes from that capacity alone."""
+    ct = CostTable.from_sps([1.0, 0.9, 0.85, 0.8])
+    assert AsyncCapacity(ct, initial_capacity=4).draft_this_round(1)  # room beyond the bonus token
+    s = AsyncCapacity(ct, initial_capacity=1, refresh_every=3)
+    assert [s.draft_this_round(1) for _ in range(3)] == [False, False, True]  # nothing to verify: back off
