@@ -5,7 +5,7 @@ baseline (fp32 and bf16 target), measured side by side on the same prompts in on
 Writes results.json (per benchmark and overall), acceptance_by_position.png and reliability.png to --out."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env
+from pipeline.runtime import apply_env, reexec_for_process_env
 
 
 def main(argv=None):
@@ -25,4 +25,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
     main()

@@ -6,7 +6,7 @@ store (--store mooncake; the job starts a mooncake_master on 127.0.0.1 and stops
 a running one).  Resumable: stored samples are skipped; the manifest is written last."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env
+from pipeline.runtime import apply_env, reexec_for_process_env
 
 
 def main(argv=None):
@@ -36,4 +36,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
     main()

@@ -5,7 +5,7 @@ manifest.json.  Resumable and exactly-once: rerun the same command after a crash
 generated.  Prompts that are malformed, empty or too long are recorded in skipped.parquet, not fatal."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env
+from pipeline.runtime import apply_env, reexec_for_process_env
 
 
 def main(argv=None):
@@ -20,4 +20,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
     main()

@@ -19,7 +19,7 @@ import os
 import signal
 import time
 
-from pipeline.runtime import apply_env
+from pipeline.runtime import apply_env, reexec_for_process_env
 
 
 def main(argv=None):
@@ -66,4 +66,5 @@ def run(cfg, block: bool | None = None):
 
 
 if __name__ == "__main__":
+    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
     main()

@@ -7,7 +7,7 @@ continues from the latest with identical optimizer/scheduler state), plan.json (
 exported drafter checkpoint `drafter/` (speculators / vLLM `method: dspark` format)."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env
+from pipeline.runtime import apply_env, reexec_for_process_env
 
 
 def main(argv=None):
@@ -61,4 +61,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
     main()

@@ -176,7 +176,7 @@ class BlockOutput:
 # the drafter
 # ---------------------------------------------------------------------------------------------------------------
 class DSparkDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, attn_chunk_queries: int = 256):
+    def __init__(self, cfg: DrafterConfig, attn_chunk_queries: int = 64):
         super().__init__()
         self.cfg = cfg
         d, n, V, Vd = cfg.hidden_size, cfg.num_aux_layers, cfg.vocab_size, cfg.draft_vocab_size

@@ -50,9 +50,10 @@ class EvalConfig:
                                                                     "profiled now)"})
     spec_dtype: str = field(default="float32", metadata={"help": "target precision for speculative verification "
                                                                   "(acceptance always uses fp32 probabilities)",
-                                                          "choices": ["bfloat16", "float32"]})
-    baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"], metadata={
-        "help": "target precisions of the no-speculation baseline (the fastest is the reference)"})
+                                                          "choices": ["bfloat16", "float32", "float32:mkl"]})
+    baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:mkl", "bfloat16"], metadata={
+        "help": "target precisions of the no-speculation baseline (the fastest is the reference); float32 uses "
+                "oneDNN pre-packed weights on CPU, float32:mkl MKL's F.linear"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
     device: str = field(default="auto", metadata={"help": "device of target and drafters: auto (cuda if present), "
                                                           "cpu, cuda"})

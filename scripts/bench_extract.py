@@ -103,4 +103,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from pipeline.runtime import reexec_for_process_env
+
+    reexec_for_process_env()
     main()

@@ -66,4 +66,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from pipeline.runtime import reexec_for_process_env
+
+    reexec_for_process_env()
     main()

@@ -46,7 +46,9 @@ class ServeConfig:
         "choices": list(SCHEDULERS)})
     gamma: int | None = field(default=None, metadata={"help": "num_speculative_tokens (<= drafter block size; "
                                                                "default: the block size)"})
-    dtype: str = field(default="float32", metadata={"help": "target / drafter dtype (float32 | bfloat16)"})
+    dtype: str = field(default="float32", metadata={"help": "target / drafter dtype (float32 | bfloat16); "
+                                                           "float32:mkl keeps MKL's F.linear instead of oneDNN "
+                                                           "pre-packed weights on CPU"})
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})
     max_queue: int = field(default=64, metadata={"help": "requests waiting per replica beyond max_batch before the "
                                                           "router holds them back"})
@@ -93,8 +95,9 @@ class ServeConfig:
             raise ValueError("gamma must be >= 1")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
-        if self.dtype not in ("float32", "bfloat16", "fp32", "bf16", "float16", "fp16"):
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+        from pipeline.target_runner import parse_precision
+
+        parse_precision(self.dtype)  # ValueError naming the bad dtype / linear back end
         if not 0.0 <= self.shared_hardware <= 1.0:
             raise ValueError("shared_hardware must lie in [0, 1]")
         if self.engine == "vllm" and self.drafter is None and self.scheduler != "none":
@@ -140,7 +143,7 @@ def vllm_engine_config(cfg: ServeConfig, target: str | None = None) -> dict:
     d = {
         "model": target,
         "served_model_name": cfg.served_model_name(target),
-        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(cfg.dtype, cfg.dtype),
+        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(*[cfg.dtype.partition(":")[0]] * 2),
         "max_model_len": cfg.max_model_len,
         "max_num_seqs": cfg.max_batch,
         "seed": cfg.seed,

@@ -147,7 +147,8 @@ def cost_table_key(opts: ReplicaOptions, max_tokens_per_request: int) -> str:
         "dtype": opts.dtype, "device": opts.device, "threads": torch.get_num_threads(),
         "batch_sizes": [int(b) for b in opts.profile_batch_sizes], "context_len": opts.profile_context_len,
         "repeats": opts.profile_repeats, "max_tokens_per_request": max_tokens_per_request,
-        "torch": torch.__version__, "cpus": os.cpu_count(), "v": 2,  # v2: interleaved sweeps
+        "torch": torch.__version__, "cpus": os.cpu_count(),
+        "v": 3,  # v2: interleaved sweeps; v3: oneDNN pre-packed fp32 linears by default (a different cost curve)
     }
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -212,6 +212,43 @@ def test_sts_temperatures_scale_conf_logits():
     torch.testing.assert_close(scaled.conf_logits, raw.conf_logits / torch.tensor([1.0, 2.0, 4.0, 0.5]))
 
 
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_markov_w1_gradient_equals_dense_embedding_gradient(head):
+    """W1's backward adds rows straight into W1.grad (a reused buffer); it must equal autograd's dense embedding
+    gradient, accumulate over backwards, and start from zero again after zero_grad(set_to_none=True)."""
+    from pipeline.sequential_heads import HEADS
+
+    torch.manual_seed(0)
+    m = HEADS[head](V, 40, 16, D)
+    with torch.no_grad():
+        m.markov_w2.weight.normal_()
+    prev = torch.randint(0, V, (3, 5, G))  # repeated rows included
+    h = torch.randn(3, 5, G, D)
+
+    def loss_of(mod):
+        return (mod.bias(prev, h) ** 2).sum()
+
+    ref = HEADS[head](V, 40, 16, D)
+    ref.load_state_dict(m.state_dict())
+    ref.prev_embed = lambda p: torch.nn.functional.embedding(p, ref.markov_w1.weight)  # autograd's dense path
+    for _ in range(2):  # accumulation over two backwards
+        loss_of(m).backward()
+        loss_of(ref).backward()
+    assert m.markov_w1.weight.grad is not None
+    torch.testing.assert_close(m.markov_w1.weight.grad, ref.markov_w1.weight.grad)
+    torch.testing.assert_close(m.markov_w2.weight.grad, ref.markov_w2.weight.grad)
+    buf = m.markov_w1.weight.grad
+    for mod in (m, ref):
+        for p in mod.parameters():
+            p.grad = None
+    loss_of(m).backward()
+    loss_of(ref).backward()
+    assert m.markov_w1.weight.grad is buf  # the buffer is reused, zeroed first
+    torch.testing.assert_close(m.markov_w1.weight.grad, ref.markov_w1.weight.grad)
+    with torch.no_grad():  # inference: plain lookup, no autograd function
+        torch.testing.assert_close(m.prev_embed(prev), ref.markov_w1(prev))
+
+
 def test_rnn_step_equals_parallel_and_carries_state():
     torch.manual_seed(0)
     head = RNNMarkovHead(V, V, 16, D)

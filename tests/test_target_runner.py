@@ -32,8 +32,14 @@ def _model(kind, dtype=torch.float32):
     return m.to(dtype).eval()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
-def test_parity_with_transformers_fp32(kind):
+def test_parity_with_transformers_fp32(kind, packed):
+    """Both linear back ends (MKL F.linear, oneDNN pre-packed weights) match transformers; qwen2 covers biases."""
+    from pipeline.target_runner import cpu_packed_linear_available
+
+    if packed and not cpu_packed_linear_available():
+        pytest.skip("this PyTorch build has no oneDNN packed linear")
     m = _model(kind)
     L = CFG["num_hidden_layers"]
     ids = torch.randint(0, CFG["vocab_size"], (1, 19), generator=torch.Generator().manual_seed(0))
@@ -46,7 +52,8 @@ def test_parity_with_transformers_fp32(kind):
     with torch.no_grad():
         m(ids)
     h.remove()
-    r = TargetRunner(m, "float32", device="cpu", init_slots=1, init_len=4)  # forces cache growth
+    r = TargetRunner(m, "float32", device="cpu", init_slots=1, init_len=4, packed_linear=packed)  # forces cache growth
+    assert r.packed_linear == packed and (r.lm_head.packed is not None) == packed
     s = r.alloc()
     a = r.forward([s], [ids[0, :11]], aux_layer_ids=list(range(L + 1)))  # prefill
     b = r.forward([s], [ids[0, 11:]], aux_layer_ids=list(range(L + 1)))  # then 8 more tokens on the cache
