@@ -30,6 +30,7 @@ from pipeline.confidence_head import ConfidenceHead, apply_sts
 from pipeline.drafter_config import DrafterConfig
 from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
 from pipeline.sequential_heads import build_sequential_head
+from pipeline.packed_linear import Linear
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -79,10 +80,10 @@ class Attention(nn.Module):
         d, H, K, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.H, self.K, self.h = H, K, h
         b = cfg.attention_bias
-        self.q_proj = nn.Linear(d, H * h, bias=b)
-        self.k_proj = nn.Linear(d, K * h, bias=b)
-        self.v_proj = nn.Linear(d, K * h, bias=b)
-        self.o_proj = nn.Linear(H * h, d, bias=b)
+        self.q_proj = Linear(d, H * h, bias=b)
+        self.k_proj = Linear(d, K * h, bias=b)
+        self.v_proj = Linear(d, K * h, bias=b)
+        self.o_proj = Linear(H * h, d, bias=b)
         self.q_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(h, cfg.rms_norm_eps)
 
@@ -107,9 +108,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -183,11 +184,11 @@ class DSparkDrafter(nn.Module):
         self.attn_chunk_queries = attn_chunk_queries  # training: block queries per attention call (memory bound)
         # frozen, copied from the target (load_frozen / from_target / checkpoint.load_drafter)
         self.embed_tokens = nn.Embedding(V, d)
-        self.lm_head = nn.Linear(d, Vd, bias=False)  # rows = draft vocab
+        self.lm_head = Linear(d, Vd, bias=False)  # rows = draft vocab
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
         # trainable
-        self.fc = nn.Linear(n * d, d, bias=False)
+        self.fc = Linear(n * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)

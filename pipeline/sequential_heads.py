@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline.packed_linear import Linear
+
 
 class _RowGatherIntoGrad(torch.autograd.Function):
     """W1[idx] whose backward ADDS the touched rows straight into W1.grad (``index_add_``) instead of returning a
@@ -83,7 +85,7 @@ class VanillaMarkovHead(nn.Module):
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r], rows = target ids
-        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)  # [V_d, r]
+        self.markov_w2 = Linear(rank, draft_vocab_size, bias=False)  # [V_d, r]
         # start as DFlash (bias 0); W2 gets gradient at once because W1 is random
         nn.init.zeros_(self.markov_w2.weight)
         self._w1_grad_buffer: torch.Tensor | None = None  # reused W1.grad storage (see _RowGatherIntoGrad)

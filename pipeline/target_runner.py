@@ -27,6 +27,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipeline import packed_linear as pl
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
@@ -97,34 +99,6 @@ class TargetOutput:
         return self.aux_hidden[self.token_offsets[r]:self.token_offsets[r + 1]]
 
 
-def cpu_packed_linear_available() -> bool:
-    """oneDNN's pre-packed fp32 linear (what torch.compile's CPU freezing uses) is in this PyTorch build."""
-    return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-class _Linear:
-    """y = x W^T + b.  On CPU in fp32 the weight is stored PRE-PACKED for oneDNN.  F.linear (MKL sgemm) is slow here
-    for inputs of 2-16 rows, which makes a verification forward of a few tokens cost 2-3x a
-    one-token decode although both only stream the weights once (measured on the SmolLM2 LM head [49152 x 576]:
-    F.linear 14.5 / 34.7 / 30.2 / 36.3 ms for 1 / 2 / 4 / 16 rows vs 9.0 / 8.8 / 10.6 / 13.8 ms packed)."""
-
-    __slots__ = ("weight", "bias", "packed")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT) if pack else None
-        self.weight = None if pack else weight  # the packed copy replaces it (same values, oneDNN layout)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [None], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-PACK_BATCH_HINT = 16  # rows oneDNN tunes the packed layout for (a verification batch); any row count works
-
-
 class _Layer:
     __slots__ = ("ln1", "qkv", "q_norm", "k_norm", "o", "ln2", "gate_up", "down", "window")
 
@@ -153,7 +127,7 @@ class TargetRunner:
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
                  init_len: int = 256, packed_linear: bool | None = None):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype.
-        packed_linear: pre-pack fp32 weights for oneDNN (see _Linear); None = the dtype string's suffix, else on CPU
+        packed_linear: pre-pack fp32 weights for oneDNN (pipeline/packed_linear.py); None = the dtype string's suffix, else on CPU
         when available."""
         self.dtype, packed_from_spec = parse_precision(dtype)
         if packed_linear is None:
@@ -200,15 +174,15 @@ class TargetRunner:
         def P(t):  # parameter -> compute dtype on device
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
 
-        if packed_linear and not (self.device.type == "cpu" and cpu_packed_linear_available()):
+        if packed_linear and not (self.device.type == "cpu" and pl.available()):
             raise ValueError("packed_linear needs a CPU device and PyTorch built with oneDNN (mkldnn)")
         if packed_linear is None:
-            packed_linear = self.device.type == "cpu" and cpu_packed_linear_available()
+            packed_linear = self.device.type == "cpu" and pl.available()
         self.packed_linear = bool(packed_linear)
 
         def lin(w, b):  # fp32 weights are packed; other dtypes keep F.linear
             w, b = P(w), P(b)
-            return _Linear(w, b, self.packed_linear and w.dtype == torch.float32)
+            return pl.PackedWeight(w, b, self.packed_linear and w.dtype == torch.float32)
 
         base = hf_model.model if hasattr(hf_model, "model") else hf_model
         self.embed = P(base.embed_tokens.weight)
@@ -234,7 +208,7 @@ class TargetRunner:
         head = hf_model.lm_head.weight if hasattr(hf_model, "lm_head") else base.embed_tokens.weight
         self.head_dtype = torch.float32 if fp32_lm_head else dt
         head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
-        self.lm_head = _Linear(head, None, self.packed_linear and head.dtype == torch.float32)
+        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype == torch.float32)
         self.norm_head = self.norm.to(self.head_dtype)
 
         # RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope scaling).

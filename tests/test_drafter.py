@@ -362,3 +362,31 @@ def test_draft_vocab_coverage_size_and_d2t():
     with pytest.raises(ValueError):
         build_draft_vocab(counts, size=1, always_include=[1, 2])
     assert "covering" in dv.report()
+
+
+def test_packed_linear_follows_weight_updates_and_matches_nn_linear():
+    """pipeline.packed_linear.Linear: nn.Linear with autograd on; a oneDNN-packed copy under no_grad on CPU that is
+    re-packed whenever the weight changes (optimizer steps, load_state_dict)."""
+    from pipeline import packed_linear
+
+    if not packed_linear.available():
+        pytest.skip("no oneDNN packed linear in this PyTorch build")
+    torch.manual_seed(0)
+    lin = packed_linear.Linear(24, 40)
+    ref = torch.nn.Linear(24, 40)
+    ref.load_state_dict(lin.state_dict())  # same parameter names and shapes as nn.Linear
+    x = torch.randn(3, 5, 24)
+    torch.testing.assert_close(lin(x), ref(x), rtol=0, atol=0)  # autograd on: exactly F.linear
+    with torch.no_grad():
+        y = lin(x)
+        assert lin._packed is not None
+        torch.testing.assert_close(y, ref(x), rtol=1e-5, atol=1e-5)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    lin(x).square().sum().backward()
+    opt.step()  # the weight changes in place: the packed copy must follow
+    ref.load_state_dict(lin.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
+        lin.load_state_dict(torch.nn.Linear(24, 40).state_dict())
+        ref.load_state_dict(lin.state_dict())
+        torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)

@@ -36,9 +36,9 @@ def _model(kind, dtype=torch.float32):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_parity_with_transformers_fp32(kind, packed):
     """Both linear back ends (MKL F.linear, oneDNN pre-packed weights) match transformers; qwen2 covers biases."""
-    from pipeline.target_runner import cpu_packed_linear_available
+    from pipeline import packed_linear
 
-    if packed and not cpu_packed_linear_available():
+    if packed and not packed_linear.available():
         pytest.skip("this PyTorch build has no oneDNN packed linear")
     m = _model(kind)
     L = CFG["num_hidden_layers"]
