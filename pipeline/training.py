@@ -246,6 +246,19 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
     return parts, n_sup, acc
 
 
+def metrics_row(step: int, lr: float, grad_norm: float, positions: int, seconds: float, n_sup: int, parts: dict,
+                acc: torch.Tensor) -> dict:
+    """One metrics.jsonl row (the Ray loop and scripts/train_on_gpu.py log the same fields; plot_metrics reads them).
+    positions / seconds: supervised positions since the last row and the wall time they took."""
+    return dict(step=step, lr=lr, grad_norm=grad_norm, positions_per_s=positions / max(seconds, 1e-9),
+                supervised_positions=n_sup, **parts, acc_top1_first=float(acc[0] / max(1, n_sup)), time=time.time())
+
+
+def append_metrics(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 # ---- the loop ---------------------------------------------------------------------------------------------------
 def train_loop_per_worker(config: dict):
     import ray.train
@@ -333,13 +346,10 @@ def train_loop_per_worker(config: dict):
         is_ckpt = done % cfg.checkpoint_every == 0 or done == total or preempt
         if done % cfg.log_every == 0 or is_ckpt:
             dt = time.time() - t_last
-            row = dict(step=done, lr=sched.get_last_lr()[0], grad_norm=gnorm, positions_per_s=pos_since / dt,
-                       supervised_positions=n_sup, **{k: v for k, v in parts.items()},
-                       acc_top1_first=float(acc[0] / max(1, n_sup)), time=time.time())
+            row = metrics_row(done, sched.get_last_lr()[0], gnorm, pos_since, dt, n_sup, parts, acc)
             t_last, pos_since = time.time(), 0
             if rank == 0:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_metrics(metrics_path, row)
                 print(f"[train] step {done}/{total} loss {parts['loss']:.4f} "
                       + " ".join(f"{k} {v:.4f}" for k, v in parts.items() if k != "loss")
                       + f" | {row['positions_per_s']:.0f} pos/s lr {row['lr']:.2e}", flush=True)

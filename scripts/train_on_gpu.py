@@ -133,8 +133,8 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
     from pipeline.checkpoint import export_checkpoint, load_target_weights
     from pipeline.drafter import DSparkDrafter
     from pipeline.losses import LossConfig, TargetHead
-    from pipeline.training import (TrainConfig, accumulate_gradients, build_drafter_config, lr_lambda, plot_metrics,
-                                   step_blocks, step_sample_ids)
+    from pipeline.training import (TrainConfig, accumulate_gradients, append_metrics, build_drafter_config, lr_lambda,
+                                   metrics_row, plot_metrics, step_blocks, step_sample_ids)
 
     run = args.out / f"train_{kind}"
     run.mkdir(parents=True, exist_ok=True)
@@ -170,11 +170,8 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
         over = time.time() - t_start > args.train_budget_s
         if (step + 1) % 20 == 0 or step + 1 == total or over:
             dt = time.time() - t_last
-            row = dict(step=step + 1, lr=sched.get_last_lr()[0], grad_norm=gnorm, positions_per_s=pos_since / dt,
-                       supervised_positions=n_sup, **parts, acc_top1_first=float(acc[0] / max(1, n_sup)),
-                       time=time.time())
-            with open(metrics, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            row = metrics_row(step + 1, sched.get_last_lr()[0], gnorm, pos_since, dt, n_sup, parts, acc)
+            append_metrics(metrics, row)
             log(f"train {kind}: step {step + 1}/{total} " + " ".join(f"{k} {v:.4f}" for k, v in parts.items())
                 + f" acc1 {row['acc_top1_first']:.3f} | {row['positions_per_s']:.0f} pos/s")
             t_last, pos_since = time.time(), 0

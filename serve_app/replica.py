@@ -112,18 +112,6 @@ class ReplicaOptions:
 
 
 # ----------------------------------------------------------------------------------------------------- load-aware depth
-def cluster_prefix_search(a, cost, base_tokens: int = 0, base_tau: float = 0.0, budget: int | None = None,
-                          early_stop: bool = True):
-    """Algorithm 1 (DSPARK.md §7) with the hardware shared by other work: Θ = (τ_0 + τ)·SPS(B_0 + B), where B_0 /
-    τ_0 are the target tokens per round / tokens emitted per round of the OTHER replicas on the same hardware.
-    B_0 = τ_0 = 0 is exactly the paper's algorithm.  ``budget`` caps this replica's B.
-    Returns (depths, K admitted candidates)."""
-    from pipeline.scheduler import greedy_prefix_search
-
-    return greedy_prefix_search(a, cost, early_stop=early_stop, base_tokens=base_tokens, base_tau=base_tau,
-                                budget=budget)
-
-
 def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: int = 2):
     """'hardware' -> HardwareAwarePrefix, 'async' -> AsyncCapacity, both taking the cluster load through
     ``set_load(B_0, τ_0)`` and the token budget (lossless; see the module docstring).  DSparkDrafter applies its
