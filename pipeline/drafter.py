@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 from pipeline.confidence_head import ConfidenceHead, apply_sts
 from pipeline.drafter_config import DrafterConfig
+from pipeline.packed_linear import Linear
 from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
 from pipeline.sequential_heads import build_sequential_head
-from pipeline.packed_linear import Linear
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -127,11 +127,9 @@ class TargetRunner:
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
                  init_len: int = 256, packed_linear: bool | None = None):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype.
-        packed_linear: pre-pack fp32 weights for oneDNN (pipeline/packed_linear.py); None = the dtype string's suffix, else on CPU
-        when available."""
+        packed_linear: pre-pack fp32 weights for oneDNN (pipeline/packed_linear.py); None = the dtype string's
+        suffix, else on CPU when available."""
         self.dtype, packed_from_spec = parse_precision(dtype)
-        if packed_linear is None:
-            packed_linear = packed_from_spec
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         hf_cfg = hf_model.config
@@ -174,11 +172,12 @@ class TargetRunner:
         def P(t):  # parameter -> compute dtype on device
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
 
-        if packed_linear and not (self.device.type == "cpu" and pl.available()):
-            raise ValueError("packed_linear needs a CPU device and PyTorch built with oneDNN (mkldnn)")
         if packed_linear is None:
-            packed_linear = self.device.type == "cpu" and pl.available()
-        self.packed_linear = bool(packed_linear)
+            packed_linear = packed_from_spec
+        can_pack = self.device.type == "cpu" and pl.available()
+        if packed_linear and not can_pack:
+            raise ValueError("packed_linear needs a CPU device and PyTorch built with oneDNN (mkldnn)")
+        self.packed_linear = can_pack if packed_linear is None else bool(packed_linear)
 
         def lin(w, b):  # fp32 weights are packed; other dtypes keep F.linear
             w, b = P(w), P(b)

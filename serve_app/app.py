@@ -139,11 +139,13 @@ class ServeConfig:
 # ----------------------------------------------------------------------------------------------------- vLLM (GPU)
 def vllm_engine_config(cfg: ServeConfig, target: str | None = None) -> dict:
     """vLLM engine arguments for the GPU path (``AsyncEngineArgs(**d)``), speculative_config method=dspark."""
+    from pipeline.target_runner import parse_precision
+
     target = target or cfg.resolved_target()
     d = {
         "model": target,
         "served_model_name": cfg.served_model_name(target),
-        "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(*[cfg.dtype.partition(":")[0]] * 2),
+        "dtype": str(parse_precision(cfg.dtype)[0]).removeprefix("torch."),  # vLLM's name; a ':mkl' suffix is ours
         "max_model_len": cfg.max_model_len,
         "max_num_seqs": cfg.max_batch,
         "seed": cfg.seed,
