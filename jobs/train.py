@@ -2,7 +2,8 @@
 
 TorchTrainer runs pipeline.training.train_loop_per_worker on --workers CPU workers (gloo all-reduce of the
 gradients), reading samples from the disk store or Mooncake through the same interface.  Writes to --out:
-metrics.jsonl, loss_curve.png, Ray Train checkpoints (every --checkpoint-every steps and at the end; --resume
+metrics.jsonl, loss_curve.png, learning_curve.png (held-out tau vs supervised positions seen,
+every --eval-every steps), Ray Train checkpoints (every --checkpoint-every steps and at the end; --resume
 continues from the latest with identical optimizer/scheduler state), plan.json (draft vocabulary, split) and the
 exported drafter checkpoint `drafter/` (speculators / vLLM `method: dspark` format)."""
 from __future__ import annotations
@@ -19,7 +20,8 @@ def main(argv=None):
     from pipeline.runtime import init_ray
     from pipeline.shards import atomic_write_json
     from pipeline.placement import TRAINING, role_resources
-    from pipeline.training import TrainConfig, latest_checkpoint, plan, plot_metrics, train_loop_per_worker
+    from pipeline.training import (TrainConfig, latest_checkpoint, plan, plot_learning_curves, plot_metrics,
+                                   train_loop_per_worker)
 
     cfg = parse_config(TrainConfig, argv, description=__doc__)
     cfg.out, cfg.data = cfg.out.resolve(), cfg.data.resolve()
@@ -55,8 +57,10 @@ def main(argv=None):
     if result.error:
         raise result.error
     plot_metrics(cfg.out / "metrics.jsonl", cfg.out / "loss_curve.png")
+    curve = cfg.out / "learning_curve.png"
+    has_curve = plot_learning_curves({cfg.drafter: cfg.out / "metrics.jsonl"}, curve)
     print(f"[train] done: drafter at {cfg.out / 'drafter'}, metrics {cfg.out / 'metrics.jsonl'}, "
-          f"curve {cfg.out / 'loss_curve.png'}")
+          f"curves {cfg.out / 'loss_curve.png'}" + (f", {curve}" if has_curve else ""))
     return result
 
 

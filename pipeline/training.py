@@ -64,6 +64,11 @@ class TrainConfig:
                 "matmul, it measured 3.5x SLOWER than fp32 - 21-25 vs 72-80 positions/s)"})
     holdout_frac: float = field(default=0.05, metadata={"help": "fraction of samples held out (for calibration)"})
     checkpoint_every: int = field(default=100, metadata={"help": "checkpoint every N steps (and at the end)"})
+    eval_every: int = field(default=50, metadata={
+        "help": "every N steps (and at the end) rank 0 measures teacher-forced greedy acceptance length tau on the "
+                "held-out samples and logs it with the supervised positions seen (learning_curve.png); 0 = never"})
+    eval_samples: int = field(default=32, metadata={"help": "held-out samples used for that tau (at most)"})
+    eval_blocks: int = field(default=64, metadata={"help": "blocks per held-out sample (evenly spaced anchors)"})
     log_every: int = field(default=5, metadata={"help": "log metrics every N steps"})
     workers: int = field(default=1, metadata={"help": "Ray Train workers (DDP over gloo)"})
     cpus_per_worker: int = field(default=2, metadata={"help": "CPUs (torch threads) per worker"})
@@ -94,8 +99,13 @@ def is_holdout(sample_id: str, frac: float) -> bool:
 
 
 def split_ids(ids: list[str], frac: float) -> tuple[list[str], list[str]]:
+    """(train, held out) by `is_holdout`; with frac > 0 at least one sample is held out (the one with the smallest
+    hash) so that small data sets still get a learning curve and a calibration set."""
     train = [i for i in ids if not is_holdout(i, frac)]
     hold = [i for i in ids if is_holdout(i, frac)]
+    if frac > 0 and not hold and len(ids) > 1:
+        first = min(ids, key=lambda i: (zlib.crc32(i.encode()), i))
+        train, hold = [i for i in ids if i != first], [first]
     if not train:
         raise ValueError(f"no training samples left after holding out {frac:.0%} of {len(ids)}")
     return train, hold
@@ -246,12 +256,56 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
     return parts, n_sup, acc
 
 
+@torch.no_grad()
+def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) -> dict:
+    """Greedy acceptance length of the drafter on held-out sequences, teacher-forced and full depth.
+
+    For evenly spaced anchors p whose γ labels are all supervised, the drafter's block is computed with the TRUE
+    predecessors (training path); a draft token counts while argmax g_k == token[p+k] for every slot so far.  While
+    that prefix holds, the true predecessors ARE the drafted ones, so the count equals what greedy drafting would get
+    verified against this sequence; tau = 1 + mean accepted (the +1 is the target's bonus token).  On responses the
+    target generated greedily (jobs.generate's default) that is the greedy verification tau at depth γ.
+    -> dict(tau, blocks, accept_hist [γ+1]: fraction of blocks accepting exactly j drafts)."""
+    from pipeline.anchors import anchor_candidates, block_labels
+
+    G = model.cfg.block_size
+    was_training = model.training
+    model.eval()
+    hist = torch.zeros(G + 1)
+    try:
+        for s in samples:
+            ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
+            cand = anchor_candidates(mask)[0].nonzero().squeeze(1)  # [C]
+            blk = block_labels(ids, mask, cand[None], torch.ones(1, len(cand), dtype=torch.bool), G)
+            cand = cand[blk.label_mask[0].all(-1)]  # blocks with γ supervised labels
+            if len(cand) == 0:
+                continue
+            if len(cand) > blocks_per_sample:
+                cand = cand[torch.linspace(0, len(cand) - 1, blocks_per_sample).round().long()]
+            anchors = cand[None]
+            blk = block_labels(ids, mask, anchors, torch.ones_like(anchors, dtype=torch.bool), G)
+            h = model.forward_train(s["aux_hidden"][None], ids, anchors)  # [1,S,γ,d]
+            logits = model.block_logits(h, blk.prev).logits  # [S·γ, V_d]
+            pred = model.draft_ids[logits.argmax(-1)].view(-1, G)  # target ids
+            accepted = (pred == blk.labels[0]).long().cumprod(-1).sum(-1)  # [S]
+            hist += torch.bincount(accepted, minlength=G + 1).float()
+    finally:
+        model.train(was_training)
+    n = float(hist.sum())
+    tau = float(1.0 + (hist * torch.arange(G + 1)).sum() / n) if n else float("nan")
+    return dict(tau=tau, blocks=int(n), accept_hist=(hist / max(n, 1.0)).tolist())
+
+
 def metrics_row(step: int, lr: float, grad_norm: float, positions: int, seconds: float, n_sup: int, parts: dict,
-                acc: torch.Tensor) -> dict:
+                acc: torch.Tensor, positions_seen: int | None = None) -> dict:
     """One metrics.jsonl row (the Ray loop and scripts/train_on_gpu.py log the same fields; plot_metrics reads them).
-    positions / seconds: supervised positions since the last row and the wall time they took."""
-    return dict(step=step, lr=lr, grad_norm=grad_norm, positions_per_s=positions / max(seconds, 1e-9),
-                supervised_positions=n_sup, **parts, acc_top1_first=float(acc[0] / max(1, n_sup)), time=time.time())
+    positions / seconds: supervised positions since the last row and the wall time they took; positions_seen: all
+    supervised positions trained on so far (all ranks, kept across --resume)."""
+    row = dict(step=step, lr=lr, grad_norm=grad_norm, positions_per_s=positions / max(seconds, 1e-9),
+               supervised_positions=n_sup, **parts, acc_top1_first=float(acc[0] / max(1, n_sup)), time=time.time())
+    if positions_seen is not None:
+        row["positions_seen"] = positions_seen
+    return row
 
 
 def append_metrics(path: Path, row: dict) -> None:
@@ -293,7 +347,7 @@ def train_loop_per_worker(config: dict):
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)  # fused: ~7x faster on CPU
     total = config["total_steps"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_frac))
-    start = 0
+    start, positions_seen = 0, 0
     ckpt = ray.train.get_checkpoint()  # set when Ray Train restarts a failed worker group
     state = None
     if ckpt is not None:
@@ -306,6 +360,7 @@ def train_loop_per_worker(config: dict):
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         start = state["step"]
+        positions_seen = state.get("positions_seen", 0)
         if rank == 0:
             print(f"[train] resumed at step {start}")
 
@@ -316,6 +371,8 @@ def train_loop_per_worker(config: dict):
         return [store.get(i) for i in step_sample_ids(train_ids, step, cfg.seqs_per_step, world, rank, cfg.seed)]
 
     metrics_path = Path(cfg.out) / "metrics.jsonl"
+    hold_ids = sorted(config.get("holdout_ids") or [])[:cfg.eval_samples]
+    hold_samples = None  # loaded on first use (rank 0)
     pending = pool.submit(fetch, start) if start < total else None
     t_last, pos_since, done = time.time(), 0, start
     for step in range(start, total):
@@ -341,18 +398,25 @@ def train_loop_per_worker(config: dict):
         opt.step()
         sched.step()
         pos_since += n_sup
+        positions_seen += n_sup
         done = step + 1
         preempt = cfg.stop_after is not None and done >= cfg.stop_after
         is_ckpt = done % cfg.checkpoint_every == 0 or done == total or preempt
-        if done % cfg.log_every == 0 or is_ckpt:
+        is_eval = bool(cfg.eval_every) and (done % cfg.eval_every == 0 or done == total)
+        if done % cfg.log_every == 0 or is_ckpt or is_eval:
             dt = time.time() - t_last
-            row = metrics_row(done, sched.get_last_lr()[0], gnorm, pos_since, dt, n_sup, parts, acc)
+            row = metrics_row(done, sched.get_last_lr()[0], gnorm, pos_since, dt, n_sup, parts, acc, positions_seen)
+            if rank == 0 and hold_ids and is_eval:
+                hold_samples = hold_samples or [store.get(i) for i in hold_ids]
+                ev = teacher_forced_tau(model, hold_samples, cfg.eval_blocks)
+                row |= dict(heldout_tau=ev["tau"], heldout_blocks=ev["blocks"], heldout_accept_hist=ev["accept_hist"])
             t_last, pos_since = time.time(), 0
             if rank == 0:
                 append_metrics(metrics_path, row)
                 print(f"[train] step {done}/{total} loss {parts['loss']:.4f} "
                       + " ".join(f"{k} {v:.4f}" for k, v in parts.items() if k != "loss")
-                      + f" | {row['positions_per_s']:.0f} pos/s lr {row['lr']:.2e}", flush=True)
+                      + f" | {row['positions_per_s']:.0f} pos/s lr {row['lr']:.2e}"
+                      + (f" | held-out tau {row['heldout_tau']:.3f}" if "heldout_tau" in row else ""), flush=True)
         else:
             row = dict(step=done, loss=parts["loss"])
         if is_ckpt:
@@ -362,6 +426,7 @@ def train_loop_per_worker(config: dict):
                     torch.save({"model": {k: v for k, v in model.state_dict().items()
                                           if not k.startswith(("embed_tokens", "lm_head"))},
                                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done,
+                                "positions_seen": positions_seen,
                                 "drafter_config": dcfg.to_dict(), "draft_ids": config["draft_ids"]},
                                Path(d) / STATE_FILE)
                     checkpoint = ray.train.Checkpoint.from_directory(d)
@@ -405,6 +470,43 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def read_learning_curve(metrics_path: Path) -> list[tuple[int, float]]:
+    """[(supervised positions seen, held-out tau)] of a run's metrics.jsonl, by step (a resumed run's rows for the
+    same step replace the earlier ones)."""
+    rows = {}
+    for line in Path(metrics_path).read_text().splitlines():
+        r = json.loads(line)
+        if "heldout_tau" in r and "positions_seen" in r and r["heldout_tau"] == r["heldout_tau"]:
+            rows[r["step"]] = (int(r["positions_seen"]), float(r["heldout_tau"]))
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = None) -> bool:
+    """Held-out teacher-forced greedy tau against supervised positions seen, one line per run {label: metrics.jsonl}.
+    Returns False (no file written) when no run has held-out evaluations."""
+    curves = {k: read_learning_curve(v) for k, v in runs.items()}
+    curves = {k: c for k, c in curves.items() if c}
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, c in curves.items():
+        ax.plot([x for x, _ in c], [y for _, y in c], marker="o", ms=3, label=label)
+    ax.set_xlabel("supervised positions seen")
+    ax.set_ylabel("held-out greedy tau (teacher-forced, depth gamma)")
+    ax.set_title(title or "learning curve")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

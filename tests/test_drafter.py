@@ -157,6 +157,51 @@ def test_train_equals_inference_reduced_vocab_window_and_dflash():
     _train_vs_inference(tiny_cfg(confidence_head_with_markov=False, num_hidden_layers=1), chunk=1000)
 
 
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_teacher_forced_tau_equals_greedy_drafting(head):
+    """The learning curve's held-out tau (training path, true predecessors) equals what greedy drafting through the
+    inference path gets accepted against the sequence.  The sequence is built from the drafter's own greedy blocks,
+    each cut at a chosen slot, so acceptance lengths 0..γ all occur."""
+    from pipeline.training import teacher_forced_tau
+
+    m = randomize(DSparkDrafter(tiny_cfg(markov_head_type=head, draft_vocab_size=200), attn_chunk_queries=8))
+    m.set_draft_vocab(reduced_vocab_ids())
+    m.eval()
+    torch.manual_seed(3)
+    T, start = 60, 6
+    aux = torch.randn(T, 3 * D)
+    ids = m.draft_ids[torch.randint(0, 200, (T,))]
+
+    def greedy_block(p):
+        st = m.new_state()
+        m.extend_context(st, aux[:p])
+        return m.propose([st], ids[p:p + 1], SamplingParams(temperature=0.0)).tokens[0]
+
+    p, cut = start, 0
+    while p + G < T:  # ids[p+1 : p+1+γ] = the greedy block with slot `cut` changed (cut = γ: unchanged)
+        blk = greedy_block(p).clone()
+        if cut < G:
+            blk[cut] = m.draft_ids[(m.t2d[blk[cut]] + 1) % 200]
+        ids[p + 1:p + 1 + G] = blk
+        p, cut = p + G, (cut + 3) % (G + 1)
+    mask = torch.ones(T, dtype=torch.uint8)
+    mask[:start] = 0
+    sample = dict(input_ids=ids.int(), loss_mask=mask, aux_hidden=aux)
+
+    hist = torch.zeros(G + 1)
+    for p in range(start, T - G):  # every anchor whose γ labels are all supervised
+        accepted = int((greedy_block(p) == ids[p + 1:p + 1 + G]).long().cumprod(0).sum())
+        hist[accepted] += 1
+    ev = teacher_forced_tau(m, [sample], blocks_per_sample=1000)
+    assert ev["blocks"] == int(hist.sum())
+    assert (hist > 0).sum() >= 4  # several different acceptance lengths: the comparison is not trivial
+    torch.testing.assert_close(torch.tensor(ev["accept_hist"]), hist / hist.sum())
+    assert ev["tau"] == pytest.approx(1 + float((hist * torch.arange(G + 1)).sum() / hist.sum()))
+    assert not m.training  # left as it was
+    # fewer blocks: evenly spaced anchors, first and last included
+    assert teacher_forced_tau(m, [sample], blocks_per_sample=5)["blocks"] == 5
+
+
 def test_batched_propose_equals_single_requests():
     m = randomize(DSparkDrafter(tiny_cfg(markov_head_type="rnn"))).eval()
     lens = [0, 3, 9]

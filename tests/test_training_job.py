@@ -49,11 +49,12 @@ def _args(root, out, *extra):
     return ["--data", str(root / "hidden"), "--out", str(out), "--target", str(root / "target"),
             "--max-steps", "6", "--seqs-per-step", "2", "--num-anchors", "8", "--checkpoint-every", "3",
             "--log-every", "1", "--holdout-frac", "0.1", "--cpus-per-worker", "1", "--bf16", "false",
-            "--markov-rank", "16", *extra]
+            "--markov-rank", "16", "--eval-every", "2", *extra]
 
 
 def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     from jobs.train import main
+    from pipeline.training import read_learning_curve
 
     main(_args(tiny_setup, tmp_path / "a"))
     full = _losses(tmp_path / "a")
@@ -66,6 +67,15 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    # the learning curve: held-out tau every --eval-every steps against supervised positions seen, which a resumed
+    # run continues counting; the evaluation does not disturb training (the losses above match)
+    curve_a = read_learning_curve(tmp_path / "a" / "metrics.jsonl")
+    assert len(curve_a) == 3 and all(1.0 <= tau <= 8.0 for _, tau in curve_a)
+    assert [x for x, _ in curve_a] == sorted({x for x, _ in curve_a}) and curve_a[0][0] > 0
+    curve_b = read_learning_curve(tmp_path / "b" / "metrics.jsonl")
+    assert [x for x, _ in curve_b] == [x for x, _ in curve_a]
+    assert [t for _, t in curve_b] == pytest.approx([t for _, t in curve_a])
+    assert (tmp_path / "a" / "learning_curve.png").is_file()
     # the exported drafter loads against its target
     from pipeline.checkpoint import load_drafter
 
