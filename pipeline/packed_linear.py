@@ -62,7 +62,11 @@ class PackedWeight:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) that runs packed at inference on CPU in fp32."""
+    """``nn.Linear`` (same parameters, same state dict) that runs packed at inference on CPU in fp32.
+
+    The packed copy is rebuilt when the weight's storage or version counter changes (load_state_dict, plain
+    optimizers).  FUSED optimizers (``torch.optim.AdamW(fused=True)``, as training uses) update the weights in place
+    WITHOUT bumping the version counter: call ``forget_packed(model)`` after such steps before inference."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -78,6 +82,17 @@ class Linear(nn.Linear):
         if self._packed_key != key:
             self._packed, self._packed_key = pack(w), key
         return packed_linear(x, self._packed, self.bias)
+
+
+def forget_packed(module: nn.Module) -> int:
+    """Drop every cached packed weight under ``module`` (the next no-grad forward packs the current weights).
+    Needed after updates the version counter does not see (fused optimizers).  Returns how many were dropped."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and m._packed is not None:
+            m._packed, m._packed_key = None, None
+            n += 1
+    return n
 
 
 _AVAILABLE = available()

@@ -267,10 +267,12 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
     target generated greedily (jobs.generate's default) that is the greedy verification tau at depth γ.
     -> dict(tau, blocks, accept_hist [γ+1]: fraction of blocks accepting exactly j drafts)."""
     from pipeline.anchors import anchor_candidates, block_labels
+    from pipeline.packed_linear import forget_packed
 
     G = model.cfg.block_size
     was_training = model.training
     model.eval()
+    forget_packed(model)  # the fused AdamW steps since the last call did not bump the weights' version counters
     hist = torch.zeros(G + 1)
     try:
         for s in samples:

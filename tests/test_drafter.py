@@ -202,6 +202,35 @@ def test_teacher_forced_tau_equals_greedy_drafting(head):
     assert teacher_forced_tau(m, [sample], blocks_per_sample=5)["blocks"] == 5
 
 
+def test_teacher_forced_tau_sees_fused_adamw_updates():
+    """Evaluating in the middle of training (pipeline.training's learning curve): after fused AdamW steps the tau
+    must be the tau of the CURRENT weights, as a freshly built copy computes it (packed weight caches are dropped)."""
+    from pipeline import packed_linear
+    from pipeline.training import teacher_forced_tau
+
+    torch.manual_seed(4)
+    m = randomize(DSparkDrafter(tiny_cfg(), attn_chunk_queries=8), std=0.1)
+    T = 40
+    sample = dict(input_ids=torch.randint(4, V, (T,)).int(), loss_mask=torch.ones(T, dtype=torch.uint8),
+                  aux_hidden=torch.randn(T, 3 * D))
+    before = teacher_forced_tau(m, [sample])  # packs the weights
+    opt = torch.optim.AdamW(m.trainable_parameters(), lr=0.05, fused=True)
+    ids = sample["input_ids"].long()[None]
+    blk = make_blocks(ids, sample["loss_mask"][None], 16, G, torch.Generator().manual_seed(0))
+    for _ in range(3):  # train toward the labels: the predictions change
+        opt.zero_grad()
+        out = m.block_logits(m.forward_train(sample["aux_hidden"][None], ids, blk.anchors, blk.valid), blk.prev,
+                             blk.label_mask)
+        torch.nn.functional.cross_entropy(out.logits, m.t2d[blk.labels[blk.label_mask]]).backward()
+        opt.step()
+    fresh = DSparkDrafter(tiny_cfg(), attn_chunk_queries=8)
+    fresh.load_state_dict(m.state_dict())
+    after, expected = teacher_forced_tau(m, [sample]), teacher_forced_tau(fresh, [sample])
+    assert after["accept_hist"] == expected["accept_hist"]
+    if packed_linear.available():
+        assert after["accept_hist"] != before["accept_hist"]  # the steps changed the predictions
+
+
 def test_batched_propose_equals_single_requests():
     m = randomize(DSparkDrafter(tiny_cfg(markov_head_type="rnn"))).eval()
     lens = [0, 3, 9]
@@ -434,4 +463,12 @@ def test_packed_linear_follows_weight_updates_and_matches_nn_linear():
         torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
         lin.load_state_dict(torch.nn.Linear(24, 40).state_dict())
         ref.load_state_dict(lin.state_dict())
+        torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
+    # a fused optimizer updates in place without bumping the version counter: forget_packed drops the stale copy
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.5, fused=True)
+    lin(x).square().sum().backward()
+    opt.step()
+    ref.load_state_dict(lin.state_dict())
+    assert packed_linear.forget_packed(lin) == 1
+    with torch.no_grad():
         torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
