@@ -4,9 +4,10 @@ requests and report output tokens/s, per-user tokens/s, median TTFT and the mean
 and writes results.json + load_test.png (throughput and mean verified depth vs concurrency) to --out.
 
 All systems are deployed side by side (one Serve application each, under /<system>/v1) and the levels are
-INTERLEAVED - for each concurrency, every system in turn, repeated --reps times - so machine noise hits them alike;
-the table reports medians over the repetitions.  Stops by itself: a fixed number of requests per level, a
-per-request timeout and a global --time-budget (levels not started within the budget are skipped and reported).
+INTERLEAVED - for each concurrency, every system in turn (in alternating order), repeated --reps times - so
+machine noise hits them alike; the table reports medians over the repetitions.  Stops by itself: a fixed number
+of requests per level, a per-request timeout and a global --time-budget (levels not started within the budget are
+skipped and reported).
 
 --soak S: instead, S seconds of --soak-clients concurrent streaming clients against the load-aware system, counting
 errors and sampling the replicas' resident memory (soak.json, soak.png): the check that a long run neither fails nor
@@ -287,8 +288,10 @@ def main(argv=None):
                   f"(max {res['rss_max_mb']:.0f})  ->  {out / 'soak.json'}, {out / 'soak.png'}", flush=True)
             return res
         for rep in range(args.reps):
-            for c in args.concurrency:
-                for system in systems:
+            for li, c in enumerate(args.concurrency):
+                # the order of the systems alternates (A B, B A, ...) so that whatever a run leaves behind (the
+                # previous system's tail work, GC, log flushing) does not always land on the same system
+                for system in (systems if (rep + li) % 2 == 0 else systems[::-1]):
                     label = LABELS[system]
                     if time.time() > deadline:
                         skipped.append(f"{label}@{c}#{rep}")
