@@ -279,17 +279,15 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
             ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
             cand = anchor_candidates(mask)[0].nonzero().squeeze(1)  # [C]
             blk = block_labels(ids, mask, cand[None], torch.ones(1, len(cand), dtype=torch.bool), G)
-            cand = cand[blk.label_mask[0].all(-1)]  # blocks with γ supervised labels
-            if len(cand) == 0:
+            keep = blk.label_mask[0].all(-1).nonzero().squeeze(1)  # blocks with γ supervised labels
+            if len(keep) == 0:
                 continue
-            if len(cand) > blocks_per_sample:
-                cand = cand[torch.linspace(0, len(cand) - 1, blocks_per_sample).round().long()]
-            anchors = cand[None]
-            blk = block_labels(ids, mask, anchors, torch.ones_like(anchors, dtype=torch.bool), G)
-            h = model.forward_train(s["aux_hidden"][None], ids, anchors)  # [1,S,γ,d]
-            logits = model.block_logits(h, blk.prev).logits  # [S·γ, V_d]
+            if len(keep) > blocks_per_sample:
+                keep = keep[torch.linspace(0, len(keep) - 1, blocks_per_sample).round().long()]
+            h = model.forward_train(s["aux_hidden"][None], ids, cand[keep][None])  # [1,S,γ,d]
+            logits = model.block_logits(h, blk.prev[:, keep]).logits  # [S·γ, V_d]
             pred = model.draft_ids[logits.argmax(-1)].view(-1, G)  # target ids
-            accepted = (pred == blk.labels[0]).long().cumprod(-1).sum(-1)  # [S]
+            accepted = (pred == blk.labels[0, keep]).long().cumprod(-1).sum(-1)  # [S]
             hist += torch.bincount(accepted, minlength=G + 1).float()
     finally:
         model.train(was_training)
@@ -480,7 +478,7 @@ def read_learning_curve(metrics_path: Path) -> list[tuple[int, float]]:
     rows = {}
     for line in Path(metrics_path).read_text().splitlines():
         r = json.loads(line)
-        if "heldout_tau" in r and "positions_seen" in r and r["heldout_tau"] == r["heldout_tau"]:
+        if "heldout_tau" in r and "positions_seen" in r and not math.isnan(r["heldout_tau"]):
             rows[r["step"]] = (int(r["positions_seen"]), float(r["heldout_tau"]))
     return [rows[k] for k in sorted(rows)]
 
