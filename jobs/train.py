@@ -13,7 +13,7 @@ from pipeline.runtime import apply_env, reexec_for_process_env
 
 def main(argv=None):
     apply_env()
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from pipeline.config_cli import parse_config
@@ -37,7 +37,9 @@ def main(argv=None):
 
         (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
         shutil.rmtree(cfg.out / "ray", ignore_errors=True)
-    ray = init_ray(cfg.address)
+    # Ray Train v2's placement-group cleaner polls the state API every second, which needs the dashboard: without
+    # it every poll fails with a warning. A local cluster started here gets one (bound to 127.0.0.1).
+    ray = init_ray(cfg.address, dashboard=True)
     p = plan(cfg)
     print(f"[train] {len(p['train_ids'])} training / {len(p['holdout_ids'])} held-out samples, "
           f"{p['total_steps']} steps; {p['draft_vocab_report']}")
@@ -51,7 +53,12 @@ def main(argv=None):
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=False,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker, **resources}),
         run_config=RunConfig(name="train", storage_path=str(cfg.out / "ray"),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             # Train's print patch sends a worker's print to its logger AND (as our workers' stdout
+                             # is wrapped) to stdout: every line twice on the driver. Plain prints, once.
+                             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+                             # its per-report INFO lines ("Reporting training result ...") repeat our step lines
+                             logging_config=LoggingConfig(log_level="WARNING")),
     )
     result = trainer.fit()
     if result.error:

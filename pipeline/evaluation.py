@@ -139,8 +139,8 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     drafters = parse_drafters(cfg.drafter)
     benches = cfg.benchmarks or [DEFAULT_PROMPTS]
     device = resolve_device(cfg.device)
-    runners = {dt: TargetRunner.from_pretrained(str(target), dtype=dt, device=device)
-               for dt in sorted(set(cfg.baseline_dtypes) | ({cfg.spec_dtype} if drafters else set()))}
+    runners = TargetRunner.several_from_pretrained(
+        target, sorted(set(cfg.baseline_dtypes) | ({cfg.spec_dtype} if drafters else set())), device=device)
     for sch in cfg.also_schedulers:
         if sch not in SCHEDULERS:
             raise ValueError(f"--also-schedulers: unknown scheduler {sch!r}")

@@ -240,15 +240,26 @@ class TargetRunner:
     def from_pretrained(cls, model_or_path, dtype: str | torch.dtype = "float32", device=None, **kw) -> "TargetRunner":
         """From a transformers CausalLM instance or an HF folder (loaded with transformers, then converted)."""
         if isinstance(model_or_path, (str, Path)):
-            from transformers import AutoModelForCausalLM
-
-            load_dtype = parse_precision(dtype)[0]
-            m = AutoModelForCausalLM.from_pretrained(str(model_or_path), dtype=load_dtype)
-            runner = cls(m, dtype=dtype, device=device, **kw)
-            runner.source = str(model_or_path)
-            del m
-            return runner
+            return cls.several_from_pretrained(model_or_path, [dtype], device=device, **kw)[dtype]
         return cls(model_or_path, dtype=dtype, device=device, **kw)
+
+    @classmethod
+    def several_from_pretrained(cls, path, dtypes, device=None, **kw) -> dict[str, "TargetRunner"]:
+        """One runner per precision string in `dtypes`, reading the HF folder once per storage dtype
+        ("float32" and "float32:mkl" share one load; the runners copy what they keep, so they are independent)."""
+        from transformers import AutoModelForCausalLM
+
+        by_load: dict[torch.dtype, list[str]] = {}
+        for dt in dict.fromkeys(dtypes):
+            by_load.setdefault(parse_precision(dt)[0], []).append(dt)
+        runners = {}
+        for load_dtype, group in by_load.items():
+            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=load_dtype)
+            for dt in group:
+                runners[dt] = cls(m, dtype=dt, device=device, **kw)
+                runners[dt].source = str(path)
+            del m
+        return runners
 
     # ------------------------------------------------------------------ cache management
     def _ensure(self, n_slots: int, length: int) -> None:

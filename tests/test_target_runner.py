@@ -164,3 +164,25 @@ def test_from_pretrained_folder(tmp_path):
     with torch.no_grad():
         ref = m(ids[None]).logits[0]
     assert torch.allclose(r.forward([s], [ids]).logits, ref, atol=2e-5)
+
+
+def test_several_from_pretrained_reads_each_storage_dtype_once(tmp_path, monkeypatch):
+    import transformers as tf
+
+    m = _model("llama")
+    m.save_pretrained(tmp_path)
+    loads = []
+    real = tf.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained",
+                        lambda path, **kw: loads.append(kw["dtype"]) or real(path, **kw))
+    rs = TargetRunner.several_from_pretrained(tmp_path, ["float32", "float32:mkl", "bfloat16"], device="cpu")
+    assert sorted(map(str, loads)) == ["torch.bfloat16", "torch.float32"]  # float32 and float32:mkl: one load
+    assert list(rs) == ["float32", "float32:mkl", "bfloat16"] and rs["float32:mkl"].packed_linear is False
+    ids = torch.arange(10)
+    with torch.no_grad():
+        ref = m(ids[None]).logits[0]
+    for dt, r in rs.items():
+        s = r.alloc()
+        out = r.forward([s], [ids]).logits
+        assert r.source == str(tmp_path)
+        assert torch.allclose(out.float(), ref, atol=2e-5 if dt.startswith("float32") else 0.3), dt
