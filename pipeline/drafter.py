@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from pipeline.confidence_head import ConfidenceHead, apply_sts
 from pipeline.drafter_config import DrafterConfig
@@ -470,30 +471,46 @@ class DSparkDrafter(nn.Module):
         B = len(states)
         anchors = torch.as_tensor(anchors, dtype=torch.long, device=dev).view(B)
         plen = torch.tensor([st.length for st in states], device=dev)
-        kv, ctx_mask = self._gather_context(states)
-        L = ctx_mask.shape[1]
-        x = self._block_embeddings(anchors).to(dt)  # [B,γ,d]
-        cos, sin = self.rotary(plen[:, None] + torch.arange(G, device=dev), dt)
-        mask = torch.cat([ctx_mask[:, None, :].expand(B, G, L), torch.ones(B, G, G, dtype=torch.bool, device=dev)],
-                         dim=2)[:, None]  # [B,1,γ,L+γ]
-        for i, layer in enumerate(self.layers):
-            kc, vc = kv[i, 0], kv[i, 1]
+        # record_function labels: the parts of a drafting round in a profile (scripts/bench_draft_budget.py)
+        with record_function("draft.block_forward"):
+            kv, ctx_mask = self._gather_context(states)
+            L = ctx_mask.shape[1]
+            x = self._block_embeddings(anchors).to(dt)  # [B,γ,d]
+            cos, sin = self.rotary(plen[:, None] + torch.arange(G, device=dev), dt)
+            mask = torch.cat([ctx_mask[:, None, :].expand(B, G, L),
+                              torch.ones(B, G, G, dtype=torch.bool, device=dev)], dim=2)[:, None]  # [B,1,γ,L+γ]
+            for i, layer in enumerate(self.layers):
+                kc, vc = kv[i, 0], kv[i, 1]
 
-            def attend(q, kb, vb, kc=kc, vc=vc):
-                return _sdpa(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+                def attend(q, kb, vb, kc=kc, vc=vc):
+                    return _sdpa(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
 
-            x = layer(x, cos, sin, attend)
-        h = self.norm(x)  # [B,γ,d]
-        U = self.lm_head(h).float()  # [B,γ,V_d]
+                x = layer(x, cos, sin, attend)
+            h = self.norm(x)  # [B,γ,d]
+            U = self.lm_head(h).float()  # [B,γ,V_d]
+        with record_function("draft.sequential_loop"):
+            prev_all, toks, idxs, qs, gs = self._sequential_loop(anchors, h, U, params, generator, forced_tokens)
+        conf = None
+        if self.confidence_head is not None:
+            with record_function("draft.confidence"):
+                e = self.markov_head.prev_embed(prev_all) if cfg.confidence_head_with_markov else None
+                conf = apply_sts(self.confidence_head(h, e), cfg.sts_temperatures)
+        return DraftProposal(tokens=toks, q=qs, conf_logits=conf, draft_ids=self.draft_ids, logits=gs,
+                             draft_index=idxs)
 
+    def _sequential_loop(self, anchors, h, U, params, generator, forced_tokens):
+        """The Markov / RNN loop over the block: g_k = U_k + bias(x_{k-1}), q_k, x_k ~ q_k (or forced).
+        -> predecessors [B,γ] (anchor, x_1..x_{γ-1}), tokens [B,γ], draft indices [B,γ], q [B,γ,V_d], g [B,γ,V_d]."""
+        B, dev = h.shape[0], h.device
         head = self.markov_head
         per_row = not isinstance(params, SamplingParams)
         if per_row and len(params) != B:
             raise ValueError(f"propose: {len(params)} SamplingParams for {B} requests")
-        hstate = head.init_state(B, dev, dt)
+        greedy = all(p.greedy for p in params) if per_row else params.greedy
+        hstate = head.init_state(B, dev, h.dtype)
         prev = anchors
         prevs, toks, idxs, qs, gs = [], [], [], [], []
-        for k in range(G):
+        for k in range(self.cfg.block_size):
             bias, hstate = head.step(prev, h[:, k], hstate)
             g = U[:, k] if bias is None else U[:, k] + bias.float()  # [B,V_d] fp32
             q = (probs_from_logits(g, params) if not per_row else
@@ -503,6 +520,9 @@ class DSparkDrafter(nn.Module):
                 idx = self.t2d[tok]
                 if (idx < 0).any():
                     raise ValueError("forced_tokens contain ids outside the draft vocabulary")
+            elif greedy:  # = inverse-CDF sampling of the one-hot q, without its fp64 cumsum over V_d
+                idx = g.argmax(-1)
+                tok = self.draft_ids[idx]
             else:
                 idx = _sample(q, generator)
                 tok = self.draft_ids[idx]
@@ -512,13 +532,8 @@ class DSparkDrafter(nn.Module):
             qs.append(q)
             gs.append(g)
             prev = tok
-        prev_all = torch.stack(prevs, 1)  # [B,γ]: anchor, x_1..x_{γ-1}
-        conf = None
-        if self.confidence_head is not None:
-            e = head.prev_embed(prev_all) if cfg.confidence_head_with_markov else None
-            conf = apply_sts(self.confidence_head(h, e), cfg.sts_temperatures)
-        return DraftProposal(tokens=torch.stack(toks, 1), q=torch.stack(qs, 1), conf_logits=conf,
-                             draft_ids=self.draft_ids, logits=torch.stack(gs, 1), draft_index=torch.stack(idxs, 1))
+        return (torch.stack(prevs, 1), torch.stack(toks, 1), torch.stack(idxs, 1), torch.stack(qs, 1),
+                torch.stack(gs, 1))
 
 
 def _sample(q: torch.Tensor, generator) -> torch.Tensor:

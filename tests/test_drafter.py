@@ -268,8 +268,14 @@ def test_propose_sampling_is_fp32_reproducible_and_in_draft_vocab():
     assert torch.equal(ids[a.draft_index], a.tokens)
     assert (a.q.gather(-1, a.draft_index[..., None]) > 0).all()  # sampled from q
     torch.testing.assert_close(a.q.sum(-1), torch.ones(2, G))
-    g = m.propose([st], torch.tensor([1]), SamplingParams(temperature=0.0))  # greedy: argmax of g
+    gen = torch.Generator().manual_seed(5)
+    before = gen.get_state()
+    g = m.propose([st], torch.tensor([1]), SamplingParams(temperature=0.0), gen)  # greedy: argmax of g
     assert torch.equal(g.draft_index[0], g.logits[0].argmax(-1))
+    assert torch.equal(g.q[0], torch.nn.functional.one_hot(g.draft_index[0], 200).float())
+    assert torch.equal(gen.get_state(), before)  # greedy drafting draws no random numbers
+    rows = m.propose([st, st], torch.tensor([1, 1]), [SamplingParams(), SamplingParams(top_k=3)])  # all greedy
+    assert torch.equal(rows.tokens, torch.cat([g.tokens, g.tokens]))
     # per-request params and generators
     c = m.propose([st, st], torch.tensor([1, 2]), [p, SamplingParams()],
                   [torch.Generator().manual_seed(3), None])
