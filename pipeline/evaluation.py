@@ -50,10 +50,11 @@ class EvalConfig:
                                                                     "profiled now)"})
     spec_dtype: str = field(default="float32", metadata={"help": "target precision for speculative verification "
                                                                   "(acceptance always uses fp32 probabilities)",
-                                                          "choices": ["bfloat16", "float32", "float32:mkl"]})
-    baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:mkl", "bfloat16"], metadata={
-        "help": "target precisions of the no-speculation baseline (the fastest is the reference); float32 uses "
-                "oneDNN pre-packed weights on CPU, float32:mkl MKL's F.linear"})
+                                                          "choices": ["bfloat16", "float32", "float32:packed", "float32:mkl", "float32:hybrid"]})
+    baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:packed", "float32:mkl", "bfloat16"], metadata={
+        "help": "target precisions of the no-speculation baseline (the fastest is the reference); on CPU float32 "
+                "= float32:hybrid (F.linear for 1-2 rows, oneDNN pre-packed weights above), float32:packed always "
+                "packed, float32:mkl MKL's F.linear"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
     device: str = field(default="auto", metadata={"help": "device of target and drafters: auto (cuda if present), "
                                                           "cpu, cuda"})

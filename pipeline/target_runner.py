@@ -44,18 +44,21 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use bfloat16 or float32") from None
 
 
-LINEAR_BACKENDS = {"packed": True, "mkl": False}
+# CPU linear back ends of fp32 weights: packed (oneDNN layout), mkl (F.linear), hybrid (F.linear for inputs of at
+# most HYBRID_FLINEAR_ROWS rows, packed above; both copies kept)
+LINEAR_BACKENDS = ("packed", "mkl", "hybrid")
+HYBRID_FLINEAR_ROWS = 2
 
 
-def parse_precision(spec: str | torch.dtype) -> tuple[torch.dtype, bool | None]:
-    """``"float32"`` | ``"float32:packed"`` | ``"float32:mkl"`` | ``"bfloat16"`` ... -> (dtype, packed_linear).
-    The suffix picks the CPU linear back end (None = automatic: packed where available)."""
+def parse_precision(spec: str | torch.dtype) -> tuple[torch.dtype, str | None]:
+    """``"float32"`` | ``"float32:packed"`` | ``"float32:mkl"`` | ``"float32:hybrid"`` | ``"bfloat16"`` ... ->
+    (dtype, linear back end).  The suffix picks the CPU linear back end (None = automatic: hybrid where available)."""
     if isinstance(spec, torch.dtype):
         return spec, None
     name, _, backend = str(spec).partition(":")
     if backend and backend not in LINEAR_BACKENDS:
-        raise ValueError(f"unknown linear back end {backend!r} in {spec!r}; use one of {sorted(LINEAR_BACKENDS)}")
-    return as_dtype(name), (LINEAR_BACKENDS[backend] if backend else None)
+        raise ValueError(f"unknown linear back end {backend!r} in {spec!r}; use one of {list(LINEAR_BACKENDS)}")
+    return as_dtype(name), (backend or None)
 
 
 @dataclass
@@ -127,9 +130,9 @@ class TargetRunner:
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
                  init_len: int = 256, packed_linear: bool | None = None):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype.
-        packed_linear: pre-pack fp32 weights for oneDNN (pipeline/packed_linear.py); None = the dtype string's
-        suffix, else on CPU when available."""
-        self.dtype, packed_from_spec = parse_precision(dtype)
+        packed_linear: True = "packed", False = "mkl" (pipeline/packed_linear.py); None = the dtype string's
+        suffix, else "hybrid" on CPU when oneDNN is available."""
+        self.dtype, backend_from_spec = parse_precision(dtype)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         hf_cfg = hf_model.config
@@ -172,16 +175,18 @@ class TargetRunner:
         def P(t):  # parameter -> compute dtype on device
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
 
-        if packed_linear is None:
-            packed_linear = packed_from_spec
+        backend = backend_from_spec if packed_linear is None else ("packed" if packed_linear else "mkl")
         can_pack = self.device.type == "cpu" and pl.available()
-        if packed_linear and not can_pack:
-            raise ValueError("packed_linear needs a CPU device and PyTorch built with oneDNN (mkldnn)")
-        self.packed_linear = can_pack if packed_linear is None else bool(packed_linear)
+        if backend in ("packed", "hybrid") and not can_pack:
+            raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
+        # automatic: hybrid on CPU (measured fastest for 1 row AND for verification batches; README), else F.linear
+        self.linear_backend = backend or ("hybrid" if can_pack else "mkl")
+        self.packed_linear = self.linear_backend != "mkl"
+        flinear_rows = HYBRID_FLINEAR_ROWS if self.linear_backend == "hybrid" else 0
 
         def lin(w, b):  # fp32 weights are packed; other dtypes keep F.linear
             w, b = P(w), P(b)
-            return pl.PackedWeight(w, b, self.packed_linear and w.dtype == torch.float32)
+            return pl.PackedWeight(w, b, self.packed_linear and w.dtype == torch.float32, flinear_rows)
 
         base = hf_model.model if hasattr(hf_model, "model") else hf_model
         self.embed = P(base.embed_tokens.weight)
@@ -207,7 +212,7 @@ class TargetRunner:
         head = hf_model.lm_head.weight if hasattr(hf_model, "lm_head") else base.embed_tokens.weight
         self.head_dtype = torch.float32 if fp32_lm_head else dt
         head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
-        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype == torch.float32)
+        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype == torch.float32, flinear_rows)
         self.norm_head = self.norm.to(self.head_dtype)
 
         # RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope scaling).

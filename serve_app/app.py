@@ -47,8 +47,9 @@ class ServeConfig:
     gamma: int | None = field(default=None, metadata={"help": "num_speculative_tokens (<= drafter block size; "
                                                                "default: the block size)"})
     dtype: str = field(default="float32", metadata={"help": "target / drafter dtype (float32 | bfloat16); "
-                                                           "float32:mkl keeps MKL's F.linear instead of oneDNN "
-                                                           "pre-packed weights on CPU"})
+                                                           "on CPU float32 = float32:hybrid (MKL's F.linear for 1-2 "
+                                                           "rows, oneDNN pre-packed weights above); float32:packed, "
+                                                           "float32:mkl force one of them"})
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})
     max_queue: int = field(default=64, metadata={"help": "requests waiting per replica beyond max_batch before the "
                                                           "router holds them back"})

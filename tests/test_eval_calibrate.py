@@ -47,7 +47,8 @@ def test_evaluate_side_by_side_lossless(smol_drafter, bench_file, target_dir, tm
                 "--max-new-tokens", "12", "--out", str(tmp_path), "--target", str(target_dir),
                 "--also-schedulers", "hardware", "--cost-table", str(cost)])
     o = res["overall"]
-    assert set(o) == {"baseline-float32", "baseline-float32:mkl", "baseline-bfloat16", "dspark", "dspark@hardware"}
+    assert set(o) == {"baseline-float32", "baseline-float32:packed", "baseline-float32:mkl", "baseline-bfloat16", "dspark",
+                      "dspark@hardware"}
     assert res["scheduler_of"] == {"dspark": "fixed", "dspark@hardware": "hardware"}
     assert o["dspark@hardware"]["greedy_mismatches_vs_baseline"] == 0
     assert o["dspark@hardware"]["mean_verified_depth"] <= o["dspark"]["mean_verified_depth"]

@@ -32,12 +32,14 @@ def _model(kind, dtype=torch.float32):
     return m.to(dtype).eval()
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
+@pytest.mark.parametrize("backend", ["mkl", "packed", "hybrid"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
-def test_parity_with_transformers_fp32(kind, packed):
-    """Both linear back ends (MKL F.linear, oneDNN pre-packed weights) match transformers; qwen2 covers biases."""
+def test_parity_with_transformers_fp32(kind, backend):
+    """Every linear back end (MKL F.linear, oneDNN pre-packed weights, F.linear for <= 2 rows and packed above)
+    matches transformers; qwen2 covers biases."""
     from pipeline import packed_linear
 
+    packed = backend != "mkl"
     if packed and not packed_linear.available():
         pytest.skip("this PyTorch build has no oneDNN packed linear")
     m = _model(kind)
@@ -52,14 +54,17 @@ def test_parity_with_transformers_fp32(kind, packed):
     with torch.no_grad():
         m(ids)
     h.remove()
-    r = TargetRunner(m, "float32", device="cpu", init_slots=1, init_len=4, packed_linear=packed)  # forces cache growth
-    assert r.packed_linear == packed and (r.lm_head.packed is not None) == packed
+    r = TargetRunner(m, f"float32:{backend}", device="cpu", init_slots=1, init_len=4)  # forces cache growth
+    assert r.linear_backend == backend and r.packed_linear == packed and (r.lm_head.packed is not None) == packed
+    assert (r.lm_head.weight is not None) == (backend != "packed")  # hybrid keeps both copies
     s = r.alloc()
     a = r.forward([s], [ids[0, :11]], aux_layer_ids=list(range(L + 1)))  # prefill
-    b = r.forward([s], [ids[0, 11:]], aux_layer_ids=list(range(L + 1)))  # then 8 more tokens on the cache
-    logits = torch.cat([a.logits, b.logits])
+    b = r.forward([s], [ids[0, 11:17]], aux_layer_ids=list(range(L + 1)))  # then 6 more tokens on the cache
+    c = r.forward([s], [ids[0, 17:18]], aux_layer_ids=list(range(L + 1)))  # 1 token (hybrid: F.linear)
+    d = r.forward([s], [ids[0, 18:]], aux_layer_ids=list(range(L + 1)))
+    logits = torch.cat([a.logits, b.logits, c.logits, d.logits])
     assert torch.allclose(logits, ref.logits[0], atol=2e-5, rtol=1e-4)
-    aux = torch.cat([a.aux_hidden, b.aux_hidden]).view(19, L + 1, CFG["hidden_size"])
+    aux = torch.cat([a.aux_hidden, b.aux_hidden, c.aux_hidden, d.aux_hidden]).view(19, L + 1, CFG["hidden_size"])
     for k in range(L):  # ids 0..L-1 == transformers hidden_states[k]
         assert torch.allclose(aux[:, k], ref.hidden_states[k][0], atol=2e-5), k
     assert torch.allclose(aux[:, L], last["x"].reshape(19, -1), atol=2e-5)  # id L: before the final norm
@@ -177,7 +182,7 @@ def test_several_from_pretrained_reads_each_storage_dtype_once(tmp_path, monkeyp
                         lambda path, **kw: loads.append(kw["dtype"]) or real(path, **kw))
     rs = TargetRunner.several_from_pretrained(tmp_path, ["float32", "float32:mkl", "bfloat16"], device="cpu")
     assert sorted(map(str, loads)) == ["torch.bfloat16", "torch.float32"]  # float32 and float32:mkl: one load
-    assert list(rs) == ["float32", "float32:mkl", "bfloat16"] and rs["float32:mkl"].packed_linear is False
+    assert list(rs) == ["float32", "float32:mkl", "bfloat16"] and rs["float32:mkl"].linear_backend == "mkl"
     ids = torch.arange(10)
     with torch.no_grad():
         ref = m(ids[None]).logits[0]
