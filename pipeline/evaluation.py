@@ -18,6 +18,7 @@ import torch
 
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import SCHEDULERS
+from pipeline.target_runner import LINEAR_BACKENDS
 
 EVAL_SEED = 980406  # DeepSpec's subsampling seed (DSPARK.md §9)
 
@@ -50,8 +51,10 @@ class EvalConfig:
                                                                     "profiled now)"})
     spec_dtype: str = field(default="float32", metadata={"help": "target precision for speculative verification "
                                                                   "(acceptance always uses fp32 probabilities)",
-                                                          "choices": ["bfloat16", "float32", "float32:packed", "float32:mkl", "float32:hybrid"]})
-    baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:packed", "float32:mkl", "bfloat16"], metadata={
+                                                          "choices": ["bfloat16", "float32",
+                                                                      *(f"float32:{b}" for b in LINEAR_BACKENDS)]})
+    baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:packed", "float32:mkl",
+                                                                "bfloat16"], metadata={
         "help": "target precisions of the no-speculation baseline (the fastest is the reference); on CPU float32 "
                 "= float32:hybrid (F.linear for 1-2 rows, oneDNN pre-packed weights above), float32:packed always "
                 "packed, float32:mkl MKL's F.linear"})

@@ -128,11 +128,11 @@ class TargetRunner:
 
     def __init__(self, hf_model, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
-                 init_len: int = 256, packed_linear: bool | None = None):
-        """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype.
-        packed_linear: True = "packed", False = "mkl" (pipeline/packed_linear.py); None = the dtype string's
-        suffix, else "hybrid" on CPU when oneDNN is available."""
-        self.dtype, backend_from_spec = parse_precision(dtype)
+                 init_len: int = 256):
+        """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype; its suffix
+        picks the CPU linear back end of fp32 weights (pipeline/packed_linear.py), without one "hybrid" on CPU when
+        oneDNN is available, else F.linear."""
+        self.dtype, backend = parse_precision(dtype)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         hf_cfg = hf_model.config
@@ -175,7 +175,6 @@ class TargetRunner:
         def P(t):  # parameter -> compute dtype on device
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
 
-        backend = backend_from_spec if packed_linear is None else ("packed" if packed_linear else "mkl")
         can_pack = self.device.type == "cpu" and pl.available()
         if backend in ("packed", "hybrid") and not can_pack:
             raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
