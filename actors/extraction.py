@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from actors.vllm_engine import actor_runtime_env, build_llm
+from actors.vllm_engine import actor_memory_request, actor_runtime_env, build_llm
 from pipeline.placement import INFERENCE, role_resources
 from pipeline.hidden_store import bytes_per_token, full_vocab_lse, tensor_from_bytes, tensor_to_bytes
 
@@ -59,6 +59,9 @@ class ExtractConfig:
         "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
         "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
+    actor_memory: str = field(default="auto", metadata={
+        "help": "memory Ray reserves per engine actor, in GiB; auto = 1.25 x (the target's weights at the compute "
+                "precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster; 0 = reserve none"})
     limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
 
@@ -223,9 +226,13 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
         ds = ray.data.from_arrow(pa.Table.from_pylist(todo, schema=_IN_SCHEMA))
         ds = ds.repartition(max(1, (len(todo) + cfg.batch_size - 1) // cfg.batch_size))
         resources = role_resources(INFERENCE, cfg.actor_resources, "actor-resources")
-        print(f"[extract] {cfg.pool_size} extractor actor(s), resources {resources or 'unconstrained'}")
+        memory = actor_memory_request(cfg.actor_memory, str(target), cfg.dtype, cfg.pool_size,
+                                      kv_cache=cfg.extractor == "vllm")
+        print(f"[extract] {cfg.pool_size} extractor actor(s), resources {resources or 'unconstrained'}, "
+              f"memory {memory / 2**30:.1f} GiB each")
         ds = ds.map_batches(VLLMExtractor, batch_format="pyarrow", batch_size=cfg.batch_size,
                             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
+                            **({"memory": memory} if memory else {}),
                             **({"resources": resources} if resources else {}),
                             runtime_env=actor_runtime_env(cfg.threads),
                             fn_constructor_kwargs=dict(target=str(target), layer_ids=layer_ids, n_layers=L,

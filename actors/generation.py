@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from actors.vllm_engine import actor_runtime_env, build_llm, request_seed
+from actors.vllm_engine import actor_memory_request, actor_runtime_env, build_llm, request_seed
 from pipeline.placement import INFERENCE, role_resources
 from pipeline.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
 
@@ -44,6 +44,9 @@ class GenerateConfig:
         "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
         "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
+    actor_memory: str = field(default="auto", metadata={
+        "help": "memory Ray reserves per engine actor, in GiB; auto = 1.25 x (the target's weights at the compute "
+                "precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster; 0 = reserve none"})
     rows_per_shard: int = field(default=64, metadata={"help": "rows per Parquet shard (the unit of resumption)"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
     max_rows: int | None = field(default=None, metadata={
@@ -129,10 +132,13 @@ def run_generation(cfg: GenerateConfig) -> dict:
                                        ("prompt_ids", pa.list_(pa.int32()))])))
         ds = ds.repartition(max(1, (len(pending) + cfg.batch_size - 1) // cfg.batch_size))
         resources = role_resources(INFERENCE, cfg.actor_resources, "actor-resources")
-        print(f"[generate] {cfg.pool_size} vLLM actor(s), resources {resources or 'unconstrained'}")
+        memory = actor_memory_request(cfg.actor_memory, str(target), cfg.dtype, cfg.pool_size, kv_cache=True)
+        print(f"[generate] {cfg.pool_size} vLLM actor(s), resources {resources or 'unconstrained'}, "
+              f"memory {memory / 2**30:.1f} GiB each")
         ds = ds.map_batches(
             VLLMGenerator, batch_format="pyarrow", batch_size=cfg.batch_size,
             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
+            **({"memory": memory} if memory else {}),
             **({"resources": resources} if resources else {}), runtime_env=actor_runtime_env(cfg.threads),
             fn_constructor_kwargs=dict(target=str(target), max_model_len=cfg.max_model_len,
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,

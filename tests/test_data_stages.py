@@ -67,6 +67,31 @@ def test_generate_real_target(responses, target_dir):
     assert r["response_ids"][:8] == ref.tolist()
 
 
+def test_actor_memory_request(ray_session, target_dir):
+    """--actor-memory: auto = 1.25 x (weights at the compute precision + vLLM's CPU KV cache + runtime), capped so
+    the pool fits the cluster; explicit GiB; bad values name the option.  (The fixtures above ran with auto.)"""
+    import ray
+
+    from actors.vllm_engine import ACTOR_RUNTIME_BYTES, MEMORY_HEADROOM, actor_memory_estimate, actor_memory_request
+
+    stored = sum(f.stat().st_size for f in target_dir.glob("*.safetensors"))  # bf16 on disk
+    fp32 = actor_memory_estimate(str(target_dir), "float32")  # sets the project's environment first
+    kv = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    assert fp32 == int(MEMORY_HEADROOM * (2 * stored + kv + ACTOR_RUNTIME_BYTES))
+    assert actor_memory_estimate(str(target_dir), "bfloat16") == int(MEMORY_HEADROOM * (stored + kv + ACTOR_RUNTIME_BYTES))
+    assert actor_memory_estimate(str(target_dir), "float32", kv_cache=False) == int(
+        MEMORY_HEADROOM * (2 * stored + ACTOR_RUNTIME_BYTES))
+    have = ray.available_resources()["memory"]
+    assert actor_memory_request("auto", str(target_dir), "float32", 1) == min(fp32, int(have))
+    assert actor_memory_request("auto", str(target_dir), "float32", 64) <= have / 64
+    assert actor_memory_request("2.5", str(target_dir), "float32", 1) == int(2.5 * 2**30)
+    assert actor_memory_request("0", str(target_dir), "float32", 1) == 0
+    for bad, msg in (("lots", "number of GiB or 'auto'"), ("-1", ">= 0 GiB")):
+        with pytest.raises(ValueError, match="--actor-memory") as e:
+            actor_memory_request(bad, str(target_dir), "float32", 1)
+        assert msg in str(e.value)
+
+
 def test_extract_real_target_vllm_matches_transformers(responses, target_dir, tmp_path):
     from pipeline.hf_extractor import HFExtractor
 
