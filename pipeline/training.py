@@ -12,6 +12,7 @@ have had.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -314,8 +315,21 @@ def append_metrics(path: Path, row: dict) -> None:
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------------
+def quiet_ray_train_reports() -> None:
+    """Ray Train v2 logs every ``ray.train.report`` at INFO ("Reporting training result N: TrainingReport(...)", the
+    whole metrics dict) on a logger named by its file path, which ``LoggingConfig`` does not reach; our step lines
+    already say it.  Raise that one logger to WARNING (in the worker process)."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray layout: nothing to quiet
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
 def train_loop_per_worker(config: dict):
     import ray.train
+
+    quiet_ray_train_reports()
 
     from pipeline.drafter import DSparkDrafter
     from pipeline.losses import LossConfig, TargetHead

@@ -83,10 +83,20 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     assert d.cfg.aux_layer_ids == [1, 2, 4] and d.cfg.kind == "dspark"
 
 
-def test_train_two_workers_dflash(ray_session, tiny_setup, tmp_path):
+def test_train_two_workers_dflash(ray_session, tiny_setup, tmp_path, capfd):
+    import time
+
     from jobs.train import main
 
     main(_args(tiny_setup, tmp_path / "c", "--workers", "2", "--drafter", "dflash", "--max-steps", "3"))
+    # the workers' lines reach the driver through Ray's log monitor: each step line once, and none of Ray Train's
+    # per-report INFO dumps (pipeline.training.quiet_ray_train_reports)
+    out, deadline = "", time.time() + 10
+    while "exported drafter" not in out and time.time() < deadline:
+        time.sleep(0.5)
+        out += "".join(capfd.readouterr())
+    assert "exported drafter" in out
+    assert out.count("[train] step 3/3") == 1 and "Reporting training result" not in out
     losses = _losses(tmp_path / "c")
     assert sorted(losses) == [1, 2, 3] and all(v == v for v in losses.values())
     cfg = json.loads((tmp_path / "c" / "drafter" / "config.json").read_text())
