@@ -61,7 +61,7 @@ class ExtractConfig:
         "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
     actor_memory: str = field(default="auto", metadata={
         "help": "memory Ray reserves per engine actor, in GiB; auto = 1.25 x (the target's weights at the compute "
-                "precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster; 0 = reserve none"})
+                "precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster and one actor a node; 0 = reserve none"})
     limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
 

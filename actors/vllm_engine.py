@@ -82,7 +82,8 @@ def actor_memory_estimate(target: str, dtype: str = "auto", kv_cache: bool = Tru
 def actor_memory_request(spec: str, target: str, dtype: str, pool_size: int, kv_cache: bool = True) -> int:
     """Ray ``memory=`` for each of ``pool_size`` engine actors from a ``--actor-memory`` value: GiB, ``0`` (reserve
     nothing), or ``auto`` = :func:`actor_memory_estimate`, capped so the pool fits the cluster's ``memory`` resource
-    (call after ray.init).  Reserving it lets Ray place actors by memory and keeps Ray Data's memory warning quiet."""
+    and one actor fits its largest node (call after ray.init).  Reserving it lets Ray place actors by memory and
+    keeps Ray Data's high-memory warning quiet."""
     spec = str(spec).strip().lower()
     if spec != "auto":
         try:
@@ -95,8 +96,10 @@ def actor_memory_request(spec: str, target: str, dtype: str, pool_size: int, kv_
     want = actor_memory_estimate(target, dtype, kv_cache)
     import ray
 
-    have = int(ray.available_resources().get("memory", 0))
-    return min(want, have // max(1, pool_size)) if have else want
+    total = int(ray.available_resources().get("memory", 0))  # the pool's share of the cluster ...
+    largest = max((int(n["Resources"].get("memory", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
+    fits = [x for x in (total // max(1, pool_size), largest) if x > 0]  # ... and one node must hold an actor
+    return min([want, *fits])
 
 
 def request_seed(base_seed: int, request_id: str) -> int:
