@@ -1,0 +1,95 @@
+"""F.linear (MKL sgemm) vs oneDNN packed fp32 linear, per weight SHAPE of the target and per row count.
+
+The hybrid CPU back end (pipeline/packed_linear.py) sends inputs of <= 2 rows through F.linear and larger ones through
+the packed weight, one rule for every layer.  This script measures whether the crossover is the same for every shape
+(the LM head [V x d] streams 85x more bytes than a k/v projection).  Both back ends run interleaved (A B B A per
+repetition) on the same input, cycling through weight copies larger than the caches; medians over repetitions;
+ratios packed / F.linear (< 1: packed faster).
+
+  .venv/bin/python scripts/bench_linear_shapes.py [--target DIR] [--rows 1,2,4,8,16] [--reps 30]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def target_shapes(target: Path) -> dict[str, tuple[int, int]]:
+    """name -> (out, in) of every distinct linear weight shape in a Llama-style target."""
+    c = json.loads((target / "config.json").read_text())
+    d, f, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    shapes = {"q_proj": (q, d), "k/v_proj": (kv, d), "o_proj": (d, q), "gate/up_proj": (f, d), "down_proj": (d, f),
+              "lm_head": (V, d)}
+    return shapes
+
+
+def time_calls(fn, x, weights: list) -> float:
+    """Mean seconds of fn(x, w) over the distinct copies ``weights`` (together larger than the caches, so every
+    call streams its weight from memory, as in a real forward through 30 layers)."""
+    t0 = time.perf_counter()
+    for w in weights:
+        fn(x, w)
+    return (time.perf_counter() - t0) / len(weights)
+
+
+def main(argv=None) -> None:
+    from pipeline import packed_linear
+    from pipeline.target_model import resolve_target
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=None, help="HF folder (default: the prepared SmolLM2-135M-Instruct)")
+    ap.add_argument("--rows", default="1,2,4,8,16", help="input row counts (tokens in one forward)")
+    ap.add_argument("--reps", type=int, default=30, help="interleaved repetitions (medians)")
+    ap.add_argument("--cache-mb", type=int, default=256,
+                    help="distinct weight copies per shape totalling at least this many MB (defeats the caches)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not packed_linear.available():
+        raise SystemExit("this PyTorch build has no oneDNN packed linear")
+    rows = [int(r) for r in a.rows.split(",")]
+    shapes = target_shapes(Path(resolve_target(a.target)))
+    g = torch.Generator().manual_seed(0)
+    print(f"threads {torch.get_num_threads()}, {a.reps} interleaved reps; ms per call (F.linear / packed, ratio)")
+    print(f"{'shape':>22} " + " ".join(f"{r:>22}" for r in rows))
+    with torch.inference_mode():
+        for name, (o, i) in shapes.items():
+            copies = max(2, -(-a.cache_mb * 2**20 // (4 * o * i)))
+            ws = [torch.randn(o, i, generator=g) * 0.02 for _ in range(copies)]
+            pws = [packed_linear.pack(w) for w in ws]
+            mk = lambda x, w: F.linear(x, w)  # noqa: E731
+            pk = lambda x, w: packed_linear.packed_linear(x, w, None)  # noqa: E731
+            cells = []
+            for r in rows:
+                x = torch.randn(r, i, generator=g)
+                time_calls(mk, x, ws), time_calls(pk, x, pws)  # warm-up
+                tm, tp = [], []
+                for k in range(a.reps):
+                    for fn in ((mk, pk) if k % 2 == 0 else (pk, mk)):
+                        if fn is mk:
+                            tm.append(time_calls(mk, x, ws))
+                        else:
+                            tp.append(time_calls(pk, x, pws))
+                m, p = statistics.median(tm) * 1e3, statistics.median(tp) * 1e3
+                cells.append(f"{m:6.2f}/{p:6.2f} {p / m:4.2f}x")
+            print(f"{name + ' ' + str((o, i)):>22} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    from pipeline.runtime import reexec_for_process_env
+
+    reexec_for_process_env()
+    main()
