@@ -24,14 +24,13 @@ import torch.nn.functional as F  # noqa: E402
 
 
 def target_shapes(target: Path) -> dict[str, tuple[int, int]]:
-    """name -> (out, in) of every distinct linear weight shape in a Llama-style target."""
+    """name -> (out, in) of every linear weight shape of a Llama-style target as TargetRunner holds it (q/k/v and
+    gate/up fused)."""
     c = json.loads((target / "config.json").read_text())
     d, f, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     hd = c.get("head_dim") or d // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    shapes = {"q_proj": (q, d), "k/v_proj": (kv, d), "o_proj": (d, q), "gate/up_proj": (f, d), "down_proj": (d, f),
-              "lm_head": (V, d)}
-    return shapes
+    return {"qkv": (q + 2 * kv, d), "o": (d, q), "gate_up": (2 * f, d), "down": (d, f), "lm_head": (V, d)}
 
 
 def time_calls(fn, x, weights: list) -> float:
