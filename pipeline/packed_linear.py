@@ -14,11 +14,17 @@ freezing pass uses) the cost follows the bytes moved.  Same values, a different 
 with F.linear to fp32 rounding (tests compare both back ends with transformers).
 
 * :class:`PackedWeight` -- a frozen weight (+ bias) packed once (the target runner).
+* :func:`tune_flinear_rows` -- per weight shape, the row count up to which F.linear is faster, timed on this machine
+  (the crossover differs by shape: measured F.linear faster up to 16 rows for a 960x576 fused q/k/v, packed 2x
+  faster from 4 rows for the 49152x576 LM head; ``scripts/bench_linear_shapes.py``).
 * :class:`Linear` -- a drop-in ``nn.Linear`` for modules that are also trained (the drafter): with autograd on it is
   ``nn.Linear``; under ``no_grad`` / ``inference_mode`` on CPU in fp32 it uses a packed copy, re-packed whenever the
   weight changes (its version counter moves on every optimizer step).
 """
 from __future__ import annotations
+
+import statistics
+import time
 
 import torch
 import torch.nn as nn
@@ -65,6 +71,45 @@ class PackedWeight:
         if self.packed is not None and x.numel() > self.flinear_max_rows * x.shape[-1]:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 16), reps: int = 5) -> dict[str, int]:
+    """Set ``flinear_max_rows`` of every weight in each group (weights of one shape, e.g. every layer's q/k/v) to the
+    largest of ``rows`` up to which F.linear beat the packed weight at EVERY row count (0: packed from 1 row).
+
+    Each timing is one pass over the whole group - every weight streamed from memory once, as in a forward - with
+    the two back ends interleaved (A B, B A, ...), medians of ``reps`` passes after a warm-up pass.  Weights need
+    both copies (built with ``flinear_max_rows`` > 0); a group tuned to 0 drops its plain copies.  Returns
+    {group: rows}.  Only speed depends on it: both back ends compute the same product (fp32 rounding apart)."""
+    chosen = {}
+    g = torch.Generator().manual_seed(0)
+    for name, ws in groups.items():
+        ws = [w for w in ws if w.packed is not None and w.weight is not None]
+        if not ws:
+            continue
+        best = 0
+        for r in rows:
+            x = torch.randn(r, ws[0].weight.shape[1], generator=g)
+            times = {False: [], True: []}
+            for k in range(reps + 1):
+                for use_packed in ((False, True) if k % 2 == 0 else (True, False)):
+                    t0 = time.perf_counter()
+                    for w in ws:
+                        if use_packed:
+                            packed_linear(x, w.packed, w.bias)
+                        else:
+                            F.linear(x, w.weight, w.bias)
+                    if k:
+                        times[use_packed].append(time.perf_counter() - t0)
+            if statistics.median(times[False]) >= statistics.median(times[True]):
+                break
+            best = r
+        for w in ws:
+            w.flinear_max_rows = best
+            if best == 0:
+                w.weight = None
+        chosen[name] = best
+    return chosen
 
 
 class Linear(nn.Linear):

@@ -45,13 +45,14 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 # CPU linear back ends of fp32 weights: packed (oneDNN layout), mkl (F.linear), hybrid (F.linear for inputs of at
-# most HYBRID_FLINEAR_ROWS rows, packed above; both copies kept)
-LINEAR_BACKENDS = ("packed", "mkl", "hybrid")
+# most HYBRID_FLINEAR_ROWS rows, packed above; both copies kept), tuned (hybrid with the row threshold of each weight
+# shape timed on this machine when the runner is built: packed_linear.tune_flinear_rows)
+LINEAR_BACKENDS = ("packed", "mkl", "hybrid", "tuned")
 HYBRID_FLINEAR_ROWS = 2
 
 
 def parse_precision(spec: str | torch.dtype) -> tuple[torch.dtype, str | None]:
-    """``"float32"`` | ``"float32:packed"`` | ``"float32:mkl"`` | ``"float32:hybrid"`` | ``"bfloat16"`` ... ->
+    """``"float32"`` | ``"float32:packed"`` | ``"float32:mkl"`` | ``"float32:hybrid"`` | ``"float32:tuned"`` | ... ->
     (dtype, linear back end).  The suffix picks the CPU linear back end (None = automatic: hybrid where available)."""
     if isinstance(spec, torch.dtype):
         return spec, None
@@ -176,12 +177,12 @@ class TargetRunner:
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
 
         can_pack = self.device.type == "cpu" and pl.available()
-        if backend in ("packed", "hybrid") and not can_pack:
+        if backend in ("packed", "hybrid", "tuned") and not can_pack:
             raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
         # automatic: hybrid on CPU (measured fastest for 1 row AND for verification batches; README), else F.linear
         self.linear_backend = backend or ("hybrid" if can_pack else "mkl")
         self.packed_linear = self.linear_backend != "mkl"
-        flinear_rows = HYBRID_FLINEAR_ROWS if self.linear_backend == "hybrid" else 0
+        flinear_rows = HYBRID_FLINEAR_ROWS if self.linear_backend in ("hybrid", "tuned") else 0
 
         def lin(w, b):  # fp32 weights are packed; other dtypes keep F.linear
             w, b = P(w), P(b)
@@ -213,6 +214,13 @@ class TargetRunner:
         head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
         self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype == torch.float32, flinear_rows)
         self.norm_head = self.norm.to(self.head_dtype)
+        # {weight group: F.linear up to this many rows}
+        self.flinear_rows = {"all": flinear_rows} if self.linear_backend == "hybrid" else {}
+        if self.linear_backend == "tuned":
+            self.flinear_rows = pl.tune_flinear_rows({
+                "qkv": [ly.qkv for ly in self.layers], "o": [ly.o for ly in self.layers],
+                "gate_up": [ly.gate_up for ly in self.layers], "down": [ly.down for ly in self.layers],
+                "lm_head": [self.lm_head]})
 
         # RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope scaling).
         rot = getattr(base, "rotary_emb", None)

@@ -32,11 +32,11 @@ def _model(kind, dtype=torch.float32):
     return m.to(dtype).eval()
 
 
-@pytest.mark.parametrize("backend", ["mkl", "packed", "hybrid"])
+@pytest.mark.parametrize("backend", ["mkl", "packed", "hybrid", "tuned"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_parity_with_transformers_fp32(kind, backend):
-    """Every linear back end (MKL F.linear, oneDNN pre-packed weights, F.linear for <= 2 rows and packed above)
-    matches transformers; qwen2 covers biases."""
+    """Every linear back end (MKL F.linear, oneDNN pre-packed weights, F.linear for <= 2 rows and packed above,
+    per-shape thresholds timed at build) matches transformers; qwen2 covers biases."""
     from pipeline import packed_linear
 
     packed = backend != "mkl"
@@ -56,7 +56,17 @@ def test_parity_with_transformers_fp32(kind, backend):
     h.remove()
     r = TargetRunner(m, f"float32:{backend}", device="cpu", init_slots=1, init_len=4)  # forces cache growth
     assert r.linear_backend == backend and r.packed_linear == packed and (r.lm_head.packed is not None) == packed
-    assert (r.lm_head.weight is not None) == (backend != "packed")  # hybrid keeps both copies
+    if backend == "tuned":  # every weight of a group got the group's timed threshold; plain copy kept iff used
+        assert set(r.flinear_rows) == {"qkv", "o", "gate_up", "down", "lm_head"}
+        groups = {"qkv": [ly.qkv for ly in r.layers], "o": [ly.o for ly in r.layers],
+                  "gate_up": [ly.gate_up for ly in r.layers], "down": [ly.down for ly in r.layers],
+                  "lm_head": [r.lm_head]}
+        for name, ws in groups.items():
+            assert r.flinear_rows[name] in (0, 1, 2, 4, 8, 16)
+            for w in ws:
+                assert w.flinear_max_rows == r.flinear_rows[name] and (w.weight is not None) == (w.flinear_max_rows > 0)
+    else:
+        assert (r.lm_head.weight is not None) == (backend != "packed")  # hybrid keeps both copies
     s = r.alloc()
     a = r.forward([s], [ids[0, :11]], aux_layer_ids=list(range(L + 1)))  # prefill
     b = r.forward([s], [ids[0, 11:17]], aux_layer_ids=list(range(L + 1)))  # then 6 more tokens on the cache

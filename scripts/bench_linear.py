@@ -1,12 +1,13 @@
-"""F.linear (MKL sgemm) vs oneDNN packed fp32 linear, per weight SHAPE of the target and per row count.
+"""The CPU linear back ends of the fp32 target (pipeline/packed_linear.py), measured two ways in one run.
 
-The hybrid CPU back end (pipeline/packed_linear.py) sends inputs of <= 2 rows through F.linear and larger ones through
-the packed weight, one rule for every layer.  This script measures whether the crossover is the same for every shape
-(the LM head [V x d] streams 85x more bytes than a k/v projection).  Both back ends run interleaved (A B B A per
-repetition) on the same input, cycling through weight copies larger than the caches; medians over repetitions;
-ratios packed / F.linear (< 1: packed faster).
+1. Per weight SHAPE and row count: F.linear (MKL sgemm) vs oneDNN's packed layout, interleaved (A B, B A per
+   repetition) on the same input, cycling through weight copies larger than the caches; medians; ratio packed /
+   F.linear (< 1: packed faster).  The crossover differs by shape (the LM head streams 50x more bytes than q/k/v).
+2. The whole target forward for B new tokens at a 300-token context (TargetRunner.time_forwards) for each back end
+   in --backends, the runners taking turns in rotating order each repetition; medians; ratio to the fastest.
 
-  .venv/bin/python scripts/bench_linear_shapes.py [--target DIR] [--rows 1,2,4,8,16] [--reps 30]
+  .venv/bin/python scripts/bench_linear.py [--target DIR] [--rows 1,2,4,8,16] [--reps 30]
+      [--backends mkl,packed,hybrid,tuned] [--forward-reps 5]
 """
 from __future__ import annotations
 
@@ -54,19 +55,34 @@ def main(argv=None) -> None:
     ap.add_argument("--cache-mb", type=int, default=256,
                     help="distinct weight copies per shape totalling at least this many MB (defeats the caches)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--backends", default="mkl,packed,hybrid,tuned",
+                    help="back ends for the whole-forward comparison ('' = skip it)")
+    ap.add_argument("--forward-reps", type=int, default=5, help="rotations of the whole-forward comparison")
+    ap.add_argument("--skip-shapes", action="store_true", help="only the whole-forward comparison")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     if not packed_linear.available():
         raise SystemExit("this PyTorch build has no oneDNN packed linear")
     rows = [int(r) for r in a.rows.split(",")]
-    shapes = target_shapes(Path(resolve_target(a.target)))
+    target = Path(resolve_target(a.target))
+    if not a.skip_shapes:
+        per_shape(target, rows, a.reps, a.cache_mb)
+    if a.backends:
+        whole_forward(target, rows, [b for b in a.backends.split(",") if b], a.forward_reps)
+
+
+def per_shape(target: Path, rows: list[int], reps: int, cache_mb: int) -> None:
+    from pipeline import packed_linear
+
+    shapes = target_shapes(target)
     g = torch.Generator().manual_seed(0)
-    print(f"threads {torch.get_num_threads()}, {a.reps} interleaved reps; ms per call (F.linear / packed, ratio)")
+    print(f"per shape: threads {torch.get_num_threads()}, {reps} interleaved reps; ms per call "
+          "(F.linear / packed, ratio)")
     print(f"{'shape':>22} " + " ".join(f"{r:>22}" for r in rows))
     with torch.inference_mode():
         for name, (o, i) in shapes.items():
-            copies = max(2, -(-a.cache_mb * 2**20 // (4 * o * i)))
+            copies = max(2, -(-cache_mb * 2**20 // (4 * o * i)))
             ws = [torch.randn(o, i, generator=g) * 0.02 for _ in range(copies)]
             pws = [packed_linear.pack(w) for w in ws]
             mk = lambda x, w: F.linear(x, w)  # noqa: E731
@@ -76,7 +92,7 @@ def main(argv=None) -> None:
                 x = torch.randn(r, i, generator=g)
                 time_calls(mk, x, ws), time_calls(pk, x, pws)  # warm-up
                 tm, tp = [], []
-                for k in range(a.reps):
+                for k in range(reps):
                     for fn in ((mk, pk) if k % 2 == 0 else (pk, mk)):
                         if fn is mk:
                             tm.append(time_calls(mk, x, ws))
@@ -85,6 +101,28 @@ def main(argv=None) -> None:
                 m, p = statistics.median(tm) * 1e3, statistics.median(tp) * 1e3
                 cells.append(f"{m:6.2f}/{p:6.2f} {p / m:4.2f}x")
             print(f"{name + ' ' + str((o, i)):>22} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+
+
+def whole_forward(target: Path, rows: list[int], backends: list[str], reps: int) -> None:
+    from pipeline.target_runner import TargetRunner
+
+    specs = [f"float32:{b}" for b in backends]
+    runners = TargetRunner.several_from_pretrained(target, specs)
+    for spec, r in runners.items():
+        if r.flinear_rows:
+            print(f"{spec}: F.linear up to rows {r.flinear_rows}")
+    times = {s: {b: [] for b in rows} for s in specs}
+    for k in range(reps):
+        order = specs[k % len(specs):] + specs[:k % len(specs)]
+        for spec in order:
+            for b, t in runners[spec].time_forwards(rows, repeats=3, warmup=1).items():
+                times[spec][b].append(t)
+    med = {s: {b: statistics.median(ts) * 1e3 for b, ts in per.items()} for s, per in times.items()}
+    print(f"whole forward, 300-token context, {reps} rotations x 3 sweeps: ms (ratio to the fastest back end)")
+    print(f"{'back end':>16} " + " ".join(f"{b:>14}" for b in rows))
+    for s in specs:
+        cells = [f"{med[s][b]:6.1f} ({med[s][b] / min(med[x][b] for x in specs):4.2f})" for b in rows]
+        print(f"{s:>16} " + " ".join(f"{c:>14}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
