@@ -129,10 +129,11 @@ class TargetRunner:
 
     def __init__(self, hf_model, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
-                 init_len: int = 256):
+                 init_len: int = 256, huge_page_arena: bool = False):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype; its suffix
         picks the CPU linear back end of fp32 weights (pipeline/packed_linear.py), without one "hybrid" on CPU when
-        oneDNN is available, else F.linear."""
+        oneDNN is available, else F.linear.  huge_page_arena (CPU, opt-in until it is shown to pay): the plain linear
+        weights live in one block backed by transparent huge pages (pipeline/hugepages.py)."""
         self.dtype, backend = parse_precision(dtype)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -221,6 +222,13 @@ class TargetRunner:
                 "qkv": [ly.qkv for ly in self.layers], "o": [ly.o for ly in self.layers],
                 "gate_up": [ly.gate_up for ly in self.layers], "down": [ly.down for ly in self.layers],
                 "lm_head": [self.lm_head]})
+        if huge_page_arena and self.device.type == "cpu":  # the streamed matrices in one huge-page-backed block
+            from pipeline.hugepages import arena_copy
+
+            for dt_ in {w.weight.dtype for w in self.linear_weights() if w.weight is not None}:
+                plain = [w for w in self.linear_weights() if w.weight is not None and w.weight.dtype == dt_]
+                for w, t in zip(plain, arena_copy([w.weight for w in plain])):
+                    w.weight = t
 
         # RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope scaling).
         rot = getattr(base, "rotary_emb", None)
@@ -248,6 +256,10 @@ class TargetRunner:
         self.max_padded_scores = 1 << 20
 
     # ------------------------------------------------------------------ construction
+    def linear_weights(self) -> list:
+        """Every linear layer's PackedWeight (layers in order, then the LM head)."""
+        return [w for ly in self.layers for w in (ly.qkv, ly.o, ly.gate_up, ly.down)] + [self.lm_head]
+
     @classmethod
     def from_pretrained(cls, model_or_path, dtype: str | torch.dtype = "float32", device=None, **kw) -> "TargetRunner":
         """From a transformers CausalLM instance or an HF folder (loaded with transformers, then converted)."""

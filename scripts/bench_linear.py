@@ -7,7 +7,7 @@
    in --backends, the runners taking turns in rotating order each repetition; medians; ratio to the fastest.
 
   .venv/bin/python scripts/bench_linear.py [--target DIR] [--rows 1,2,4,8,16] [--reps 30]
-      [--backends mkl,packed,hybrid,tuned] [--forward-reps 5]
+      [--backends mkl,packed,hybrid,tuned] [--forward-reps 5] [--arena on|off|both]
 """
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def main(argv=None) -> None:
     ap.add_argument("--backends", default="mkl,packed,hybrid,tuned",
                     help="back ends for the whole-forward comparison ('' = skip it)")
     ap.add_argument("--forward-reps", type=int, default=5, help="rotations of the whole-forward comparison")
+    ap.add_argument("--arena", choices=["on", "off", "both"], default="on",
+                    help="target runners with their plain weights in one huge-page block (pipeline/hugepages.py), "
+                         "without, or both side by side")
     ap.add_argument("--skip-shapes", action="store_true", help="only the whole-forward comparison")
     a = ap.parse_args(argv)
     if a.threads:
@@ -69,7 +72,7 @@ def main(argv=None) -> None:
     if not a.skip_shapes:
         per_shape(target, rows, a.reps, a.cache_mb)
     if a.backends:
-        whole_forward(target, rows, [b for b in a.backends.split(",") if b], a.forward_reps)
+        whole_forward(target, rows, [b for b in a.backends.split(",") if b], a.forward_reps, a.arena)
 
 
 def per_shape(target: Path, rows: list[int], reps: int, cache_mb: int) -> None:
@@ -103,11 +106,19 @@ def per_shape(target: Path, rows: list[int], reps: int, cache_mb: int) -> None:
             print(f"{name + ' ' + str((o, i)):>22} " + " ".join(f"{c:>22}" for c in cells), flush=True)
 
 
-def whole_forward(target: Path, rows: list[int], backends: list[str], reps: int) -> None:
+def whole_forward(target: Path, rows: list[int], backends: list[str], reps: int, arena: str) -> None:
+    from pipeline.hugepages import huge_page_fraction
     from pipeline.target_runner import TargetRunner
 
-    specs = [f"float32:{b}" for b in backends]
-    runners = TargetRunner.several_from_pretrained(target, specs)
+    runners = {}
+    for on in {"on": [True], "off": [False], "both": [True, False]}[arena]:
+        tag = "" if arena != "both" else ("+arena" if on else "-arena")
+        built = TargetRunner.several_from_pretrained(target, [f"float32:{b}" for b in backends], huge_page_arena=on)
+        runners.update({spec + tag: r for spec, r in built.items()})
+    specs = list(runners)
+    for spec, r in runners.items():
+        frac = huge_page_fraction([w.weight for w in r.linear_weights() if w.weight is not None])
+        print(f"{spec}: plain weights on huge pages {frac if frac is None else f'{frac:.0%}'}")
     for spec, r in runners.items():
         if r.flinear_rows:
             print(f"{spec}: F.linear up to rows {r.flinear_rows}")
@@ -119,10 +130,10 @@ def whole_forward(target: Path, rows: list[int], backends: list[str], reps: int)
                 times[spec][b].append(t)
     med = {s: {b: statistics.median(ts) * 1e3 for b, ts in per.items()} for s, per in times.items()}
     print(f"whole forward, 300-token context, {reps} rotations x 3 sweeps: ms (ratio to the fastest back end)")
-    print(f"{'back end':>16} " + " ".join(f"{b:>14}" for b in rows))
+    print(f"{'back end':>22} " + " ".join(f"{b:>14}" for b in rows))
     for s in specs:
         cells = [f"{med[s][b]:6.1f} ({med[s][b] / min(med[x][b] for x in specs):4.2f})" for b in rows]
-        print(f"{s:>16} " + " ".join(f"{c:>14}" for c in cells), flush=True)
+        print(f"{s:>22} " + " ".join(f"{c:>14}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -201,3 +201,27 @@ def test_several_from_pretrained_reads_each_storage_dtype_once(tmp_path, monkeyp
         out = r.forward([s], [ids]).logits
         assert r.source == str(tmp_path)
         assert torch.allclose(out.float(), ref, atol=2e-5 if dt.startswith("float32") else 0.3), dt
+
+
+def test_huge_page_arena():
+    """arena_copy: same values and shapes, 2 MiB-aligned, one block; a runner built with it computes the same."""
+    from pipeline.hugepages import HUGE_PAGE, arena_copy, huge_page_fraction, thp_mode
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(1024, 1027, generator=g), torch.randn(3, 5, generator=g), torch.randn(2048, 1024, generator=g)]
+    cs = arena_copy(ts)
+    assert all(torch.equal(a, b) and a.shape == b.shape for a, b in zip(ts, cs))
+    assert cs[0].data_ptr() % HUGE_PAGE == 0 and all(c.data_ptr() % 64 == 0 for c in cs)
+    assert cs[0].untyped_storage().data_ptr() == cs[2].untyped_storage().data_ptr()  # one block
+    with pytest.raises(ValueError, match="one dtype"):
+        arena_copy([ts[0], ts[1].double()])
+    if thp_mode() in ("madvise", "always"):  # the kernel backs the advised block with huge pages
+        assert huge_page_fraction(cs) > 0.5
+    m = _model("llama")
+    ids = torch.randint(0, CFG["vocab_size"], (1, 9), generator=g)
+    outs = []
+    for arena in (False, True):
+        r = TargetRunner(m, "float32:hybrid", device="cpu", huge_page_arena=arena)
+        s = r.alloc()
+        outs.append(torch.cat([r.forward([s], [ids[0, :8]]).logits, r.forward([s], [ids[0, 8:]]).logits]))
+    assert torch.equal(outs[0], outs[1])
