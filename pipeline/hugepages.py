@@ -6,7 +6,8 @@ advised MADV_HUGEPAGE (this kernel's mode: ``madvise``).  Tensors allocated one 
 so only part of each lands on huge pages: measured 39% and 62% of the plain weights of two target runners built the
 same way in one process - a per-runner speed difference that depends on allocation luck.  :func:`arena_copy` lays
 a set of tensors out back to back in ONE 2 MiB-aligned block advised before first touch, and
-:func:`huge_page_fraction` reads the coverage back from ``/proc/self/smaps``.
+:func:`huge_page_fraction` reads the coverage back from ``/proc/self/smaps``.  The advice is a request: with free
+2 MiB pages the kernel backed 99% of the block; under memory pressure (a CI run next to a training job) none.
 """
 from __future__ import annotations
 
