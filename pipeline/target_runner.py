@@ -218,10 +218,7 @@ class TargetRunner:
         # {weight group: F.linear up to this many rows}
         self.flinear_rows = {"all": flinear_rows} if self.linear_backend == "hybrid" else {}
         if self.linear_backend == "tuned":
-            self.flinear_rows = pl.tune_flinear_rows({
-                "qkv": [ly.qkv for ly in self.layers], "o": [ly.o for ly in self.layers],
-                "gate_up": [ly.gate_up for ly in self.layers], "down": [ly.down for ly in self.layers],
-                "lm_head": [self.lm_head]})
+            self.flinear_rows = pl.tune_flinear_rows(self.linear_groups())
         if huge_page_arena and self.device.type == "cpu":  # the streamed matrices in one huge-page-backed block
             from pipeline.hugepages import arena_copy
 
@@ -259,6 +256,12 @@ class TargetRunner:
     def linear_weights(self) -> list:
         """Every linear layer's PackedWeight (layers in order, then the LM head)."""
         return [w for ly in self.layers for w in (ly.qkv, ly.o, ly.gate_up, ly.down)] + [self.lm_head]
+
+    def linear_groups(self) -> dict[str, list]:
+        """The PackedWeights by shape: every layer's fused q/k/v, o, fused gate/up, down; the LM head."""
+        return {"qkv": [ly.qkv for ly in self.layers], "o": [ly.o for ly in self.layers],
+                "gate_up": [ly.gate_up for ly in self.layers], "down": [ly.down for ly in self.layers],
+                "lm_head": [self.lm_head]}
 
     @classmethod
     def from_pretrained(cls, model_or_path, dtype: str | torch.dtype = "float32", device=None, **kw) -> "TargetRunner":

@@ -58,10 +58,7 @@ def test_parity_with_transformers_fp32(kind, backend):
     assert r.linear_backend == backend and r.packed_linear == packed and (r.lm_head.packed is not None) == packed
     if backend == "tuned":  # every weight of a group got the group's timed threshold; plain copy kept iff used
         assert set(r.flinear_rows) == {"qkv", "o", "gate_up", "down", "lm_head"}
-        groups = {"qkv": [ly.qkv for ly in r.layers], "o": [ly.o for ly in r.layers],
-                  "gate_up": [ly.gate_up for ly in r.layers], "down": [ly.down for ly in r.layers],
-                  "lm_head": [r.lm_head]}
-        for name, ws in groups.items():
+        for name, ws in r.linear_groups().items():
             assert r.flinear_rows[name] in (0, 1, 2, 4, 8, 16)
             for w in ws:
                 assert w.flinear_max_rows == r.flinear_rows[name] and (w.weight is not None) == (w.flinear_max_rows > 0)
