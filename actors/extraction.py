@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from actors.vllm_engine import actor_memory_request, actor_runtime_env, build_llm
+from actors.vllm_engine import ACTOR_MEMORY_HELP, actor_memory_request, actor_runtime_env, build_llm
 from pipeline.placement import INFERENCE, role_resources
 from pipeline.hidden_store import bytes_per_token, full_vocab_lse, tensor_from_bytes, tensor_to_bytes
 
@@ -59,9 +59,7 @@ class ExtractConfig:
         "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
         "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
-    actor_memory: str = field(default="auto", metadata={
-        "help": "memory Ray reserves per engine actor, in GiB; auto = 1.25 x (the target's weights at the compute "
-                "precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster and one actor a node; 0 = reserve none"})
+    actor_memory: str = field(default="auto", metadata={"help": ACTOR_MEMORY_HELP})
     limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
 

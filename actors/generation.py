@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from actors.vllm_engine import actor_memory_request, actor_runtime_env, build_llm, request_seed
+from actors.vllm_engine import ACTOR_MEMORY_HELP, actor_memory_request, actor_runtime_env, build_llm, request_seed
 from pipeline.placement import INFERENCE, role_resources
 from pipeline.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
 
@@ -44,9 +44,7 @@ class GenerateConfig:
         "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
     actor_resources: str | None = field(default=None, metadata={
         "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
-    actor_memory: str = field(default="auto", metadata={
-        "help": "memory Ray reserves per engine actor, in GiB; auto = 1.25 x (the target's weights at the compute "
-                "precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster and one actor a node; 0 = reserve none"})
+    actor_memory: str = field(default="auto", metadata={"help": ACTOR_MEMORY_HELP})
     rows_per_shard: int = field(default=64, metadata={"help": "rows per Parquet shard (the unit of resumption)"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
     max_rows: int | None = field(default=None, metadata={

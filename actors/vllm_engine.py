@@ -54,6 +54,9 @@ def actor_runtime_env(threads: int | None = None, extra_env: dict | None = None)
 
 ACTOR_RUNTIME_BYTES = int(1.3 * 2**30)  # Python + torch + vLLM + Ray worker, beyond weights and KV cache (measured)
 MEMORY_HEADROOM = 1.25  # what Ray Data's memory issue detector asks for over the observed peak
+ACTOR_MEMORY_HELP = ("memory Ray reserves per engine actor, in GiB; auto = 1.25 x (the target's weights at the "
+                     "compute precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster and one "
+                     "actor a node; 0 = reserve none")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
