@@ -14,11 +14,12 @@ from pipeline.runtime import apply_env, reexec_for_process_env
 def main(argv=None):
     apply_env()
     from ray.train import CheckpointConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from pipeline.config_cli import parse_config
     from pipeline.runtime import init_ray
     from pipeline.shards import atomic_write_json
+    from pipeline.train_backend import LoopbackTorchConfig
     from pipeline.placement import TRAINING, role_resources
     from pipeline.training import (TrainConfig, latest_checkpoint, plan, plot_learning_curves, plot_metrics,
                                    train_loop_per_worker)
@@ -49,7 +50,7 @@ def main(argv=None):
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=p | {"resume_from": str(resume_from) if resume_from else None},
-        torch_config=TorchConfig(backend="gloo"),
+        torch_config=LoopbackTorchConfig(),  # store + gloo on 127.0.0.1
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=False,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker, **resources}),
         run_config=RunConfig(name="train", storage_path=str(cfg.out / "ray"),

@@ -101,3 +101,48 @@ def test_train_two_workers_dflash(ray_session, tiny_setup, tmp_path, capfd):
     assert sorted(losses) == [1, 2, 3] and all(v == v for v in losses.values())
     cfg = json.loads((tmp_path / "c" / "drafter" / "config.json").read_text())
     assert cfg["markov_rank"] == 0
+
+
+def test_train_workers_listen_on_loopback_only(ray_session, tmp_path):
+    """The gradient all-reduce's rendezvous store and gloo sockets bind loopback (stock TorchConfig's store listens
+    on every interface: ':::port', measured)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.train_backend import LoopbackTorchConfig
+
+    def all_reduce_and_report_listeners(config):  # defined here: the workers get it by value, not by module name
+        import json
+        from pathlib import Path
+
+        import psutil
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        mine = sorted({f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections(kind="inet")
+                       if c.status == psutil.CONN_LISTEN})
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)  # while the process group (store, gloo pairs) is up
+        if dist.get_rank() == 0:
+            Path(config["out"]).write_text(json.dumps({"sum": t.item(), "listeners": gathered}))
+
+    out = tmp_path / "listeners.json"
+    result = TorchTrainer(all_reduce_and_report_listeners, train_loop_config={"out": str(out)},
+                          torch_config=LoopbackTorchConfig(),
+                          scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+                          run_config=RunConfig(name="listen", storage_path=str(tmp_path))).fit()
+    report = json.loads(out.read_text())
+    assert result.error is None and report["sum"] == 2.0
+    listeners = report["listeners"]
+    assert len(listeners) == 2 and all(listeners), listeners  # rank 0 hosts the store, both have gloo pairs
+    assert all(_is_loopback(addr) for rank in listeners for addr in rank), listeners
+
+
+def _is_loopback(addr: str) -> bool:
+    """'127.0.0.1:123', '::ffff:127.0.0.1:123' (IPv4-mapped) or '::1:123' -> True; '0.0.0.0:123', ':::123' -> False."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(addr.rsplit(":", 1)[0])
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
