@@ -183,9 +183,12 @@ def checkpoint_tensors(drafter: DSparkDrafter, dtype: torch.dtype = torch.bfloat
     """The tensors of the exported checkpoint (names per CHECKPOINT_FORMAT.md §3)."""
     cfg = drafter.cfg
     out = {}
+    head = drafter.markov_head
     for name, t in drafter.state_dict().items():
-        if name.startswith("embed_tokens."):
-            continue
+        if name.startswith("embed_tokens.") or name == "markov_head.markov_w1_proj.weight":
+            continue  # embed: shared with the target; W1's projection: folded into the table below
+        if name == "markov_head.markov_w1.weight":
+            t = head.materialize_w1()  # markov_w1_source "embedding": rmsnorm(E) P^T + R, else W1 itself
         if name.startswith("lm_head.") and cfg.full_vocab:
             continue
         keep_fp32 = name.startswith("confidence_head.")

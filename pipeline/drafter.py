@@ -193,7 +193,7 @@ class DSparkDrafter(nn.Module):
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.markov_head = build_sequential_head(cfg)
+        self.markov_head = build_sequential_head(cfg, self.embed_tokens)
         self.confidence_head = (ConfidenceHead(d, cfg.markov_rank if cfg.confidence_head_with_markov else 0)
                                 if cfg.enable_confidence_head else None)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 DRAFTER_KINDS = ("dspark", "dflash")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+MARKOV_W1_SOURCES = ("table", "embedding")
 
 
 class DrafterConfigError(ValueError):
@@ -63,6 +64,9 @@ class DrafterConfig:
     kind: str = "dspark"  # 'dspark' | 'dflash'
     markov_rank: int = 256  # r; 0 = no Markov head (DFlash)
     markov_head_type: str = "vanilla"  # 'vanilla' | 'gated' | 'rnn'
+    # training-time parameterisation of W1 (sequential_heads.py): 'table' | 'embedding'; never exported (the
+    # checkpoint holds the materialised table, so a loaded drafter is always 'table')
+    markov_w1_source: str = "table"
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     sts_temperatures: list[float] | None = None  # one per position (STS, §4); None = raw confidences
@@ -127,6 +131,8 @@ class DrafterConfig:
                 f"residual after k layers, max id = L = {self.target_num_layers})")
         if self.markov_rank < 0:
             bad(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.markov_w1_source not in MARKOV_W1_SOURCES:
+            bad(f"markov_w1_source must be one of {MARKOV_W1_SOURCES}, got {self.markov_w1_source!r}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             bad(f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}")
         if self.kind == "dflash" and (self.markov_rank != 0 or self.enable_confidence_head):

@@ -12,6 +12,15 @@ z_k and one shared projection W2 (`markov_w2`, r -> V_d):
 
 W1 (`markov_w1`, Embedding [V, r]) is indexed by TARGET token ids; W2 rows are draft-vocab indices.
 
+W1 as trained (`DrafterConfig.markov_w1_source`, training only -- the exported checkpoint always holds the plain
+[V, r] table):
+  * "table": W1 is a free per-token table (the paper's head).  A token the training data never showed as a
+    block's previous token keeps its random row.
+  * "embedding": W1 = rmsnorm(E) P^T + R, E the target's frozen input embedding [V, d], P (`markov_w1_proj`,
+    [r, d]) shared by all tokens, R the zero-initialised per-token table (`markov_w1`).  Tokens that are rare in
+    the training data get a latent from what the target's embedding knows of them; frequent ones refine it in R.
+    `materialize_w1()` folds it into one table for export; the step- and teacher-forced paths are unchanged.
+
 Two paths over the same parameters:
   * `latent(prev [..., γ], h [..., γ, d]) -> z [..., γ, r]`: teacher-forced, all positions at once (the RNN unrolls
     its γ steps, vectorised over everything else).  `bias = project(latent)`; the trainer projects only the rows it
@@ -81,7 +90,8 @@ class NoHead(nn.Module):
 class VanillaMarkovHead(nn.Module):
     head_type = "vanilla"
 
-    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int,
+                 target_embed: nn.Embedding | None = None):
         super().__init__()
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r], rows = target ids
@@ -89,12 +99,41 @@ class VanillaMarkovHead(nn.Module):
         # start as DFlash (bias 0); W2 gets gradient at once because W1 is random
         nn.init.zeros_(self.markov_w2.weight)
         self._w1_grad_buffer: torch.Tensor | None = None  # reused W1.grad storage (see _RowGatherIntoGrad)
+        # W1 source "embedding" (module docstring): the drafter's frozen target embedding, held in a tuple so it
+        # is not registered (and saved) twice; markov_w1 becomes the zero-initialised residual table R
+        self._target_embed = (target_embed,) if target_embed is not None else None
+        if target_embed is not None:
+            self.markov_w1_proj = nn.Linear(hidden_size, rank, bias=False)  # P [r, d]
+            nn.init.normal_(self.markov_w1_proj.weight, std=hidden_size ** -0.5)  # unit-variance latents, as W1's
+            nn.init.zeros_(self.markov_w1.weight)
+
+    @property
+    def w1_from_embedding(self) -> bool:
+        return self._target_embed is not None
+
+    def _embedding_latent(self, ids: torch.Tensor) -> torch.Tensor:  # [...] target ids -> [..., r]
+        e = self._target_embed[0](ids)
+        e = e * torch.rsqrt(e.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(e.dtype)
+        return self.markov_w1_proj(e.to(self.markov_w1_proj.weight.dtype))
+
+    @torch.no_grad()
+    def materialize_w1(self) -> torch.Tensor:
+        """The [V, r] table the exported checkpoint holds: W1 itself, or rmsnorm(E) P^T + R."""
+        w = self.markov_w1.weight
+        if not self.w1_from_embedding:
+            return w.detach().clone()
+        ids = torch.arange(w.shape[0], device=w.device)
+        return torch.cat([self._embedding_latent(c) for c in ids.split(8192)]).to(w.dtype) + w
 
     def prev_embed(self, prev: torch.Tensor) -> torch.Tensor:  # [...] target ids -> [..., r]
         w = self.markov_w1.weight
         if torch.is_grad_enabled() and w.requires_grad:
-            return _RowGatherIntoGrad.apply(w, prev, self)
-        return self.markov_w1(prev)
+            table = _RowGatherIntoGrad.apply(w, prev, self)
+        else:
+            table = self.markov_w1(prev)
+        if self.w1_from_embedding:
+            return table + self._embedding_latent(prev).to(table.dtype)
+        return table
 
     def _add_w1_grad(self, idx: torch.Tensor, grad_out: torch.Tensor) -> None:
         """W1.grad[idx] += grad_out (rows repeated in idx add up), creating W1.grad from the reused buffer."""
@@ -140,8 +179,8 @@ class VanillaMarkovHead(nn.Module):
 class GatedMarkovHead(VanillaMarkovHead):
     head_type = "gated"
 
-    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, target_embed=None):
+        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size, target_embed)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)  # [h; e] -> gate
 
     def _latent_step(self, e, h_k, state):
@@ -155,8 +194,8 @@ class GatedMarkovHead(VanillaMarkovHead):
 class RNNMarkovHead(VanillaMarkovHead):
     head_type = "rnn"
 
-    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size)
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, target_embed=None):
+        super().__init__(vocab_size, draft_vocab_size, rank, hidden_size, target_embed)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [s; e; h] -> [gate; cand; out]
 
     def init_state(self, batch: int, device=None, dtype=None) -> torch.Tensor:
@@ -183,8 +222,15 @@ class RNNMarkovHead(VanillaMarkovHead):
 HEADS = {"vanilla": VanillaMarkovHead, "gated": GatedMarkovHead, "rnn": RNNMarkovHead}
 
 
-def build_sequential_head(cfg) -> nn.Module:
-    """cfg: DrafterConfig."""
+def build_sequential_head(cfg, target_embed: nn.Embedding | None = None) -> nn.Module:
+    """cfg: DrafterConfig; target_embed: the drafter's frozen target embedding (needed for markov_w1_source
+    "embedding")."""
     if cfg.markov_rank == 0:
         return NoHead()
-    return HEADS[cfg.markov_head_type](cfg.vocab_size, cfg.draft_vocab_size, cfg.markov_rank, cfg.hidden_size)
+    if cfg.markov_w1_source == "embedding":
+        if target_embed is None:
+            raise ValueError("markov_w1_source='embedding' needs the target embedding")
+    else:
+        target_embed = None
+    return HEADS[cfg.markov_head_type](cfg.vocab_size, cfg.draft_vocab_size, cfg.markov_rank, cfg.hidden_size,
+                                       target_embed)

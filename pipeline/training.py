@@ -42,6 +42,11 @@ class TrainConfig:
     block_size: int = field(default=7, metadata={"help": "gamma: draft tokens per block"})
     markov_rank: int = field(default=256, metadata={"help": "Markov head rank r (dspark)"})
     markov_head: str = field(default="vanilla", metadata={"help": "sequential head", "choices": ["vanilla", "gated", "rnn"]})
+    markov_w1: str = field(default="table", metadata={
+        "help": "how the Markov head's W1 [V, r] is parameterised while training: 'table' (free per-token rows, the "
+                "paper's) or 'embedding' (the target's frozen input embedding, RMS-normalised, times a shared [r, d] "
+                "projection, plus a zero-initialised per-token table: tokens rare in the training data still get "
+                "a latent). The exported checkpoint holds the folded table either way", "choices": ["table", "embedding"]})
     draft_vocab_coverage: float = field(default=0.99, metadata={
         "help": "reduced draft vocabulary: the most frequent response tokens covering this fraction"})
     draft_vocab_size: int | None = field(default=None, metadata={
@@ -160,7 +165,8 @@ def build_drafter_config(cfg: TrainConfig, target: Path, layer_ids: list[int], d
     from pipeline.drafter_config import DrafterConfig
 
     hf = AutoConfig.from_pretrained(str(target))
-    extra = dict(markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head) if cfg.drafter == "dspark" else {}
+    extra = (dict(markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head, markov_w1_source=cfg.markov_w1)
+             if cfg.drafter == "dspark" else {})
     return DrafterConfig.from_target_config(hf, num_hidden_layers=cfg.num_layers, aux_layer_ids=layer_ids,
                                             draft_vocab_size=draft_vocab_size, kind=cfg.drafter,
                                             block_size=cfg.block_size, **extra)

@@ -197,3 +197,39 @@ def test_corrupt_and_incomplete_checkpoints(tmp_path, target):
     (src / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json"):
         load_drafter(src, target)
+
+
+def test_w1_from_embedding_trains_shared_projection_and_exports_as_table(tmp_path, target):
+    """markov_w1_source='embedding': W1 = rmsnorm(E) P^T + R while training; the checkpoint holds the folded [V, r]
+    table, and the loaded ('table') drafter gives the same outputs."""
+    from pipeline.drafter_config import DrafterConfigError
+
+    with pytest.raises(DrafterConfigError, match="markov_w1_source"):
+        make_drafter(target, 200, markov_w1_source="rows")
+    fresh = DSparkDrafter(DrafterConfig.from_target_config(target.config, block_size=G, markov_rank=16,
+                                                           markov_w1_source="embedding"))
+    assert not fresh.markov_head.markov_w1.weight.any()  # R starts at zero: W1 = the embedding's projection
+    m = make_drafter(target, 200, markov_w1_source="embedding")  # P and R randomised
+    head = m.markov_head
+    ids = torch.tensor([[3, 9, 9, 250]])
+    w1 = head.materialize_w1()
+    assert w1.shape == (V, 16)
+    torch.testing.assert_close(head.prev_embed(ids), w1[ids])
+    # gradients: the per-token rows only where used, the shared projection (so every token's latent) always
+    m.train()
+    head.prev_embed(ids).pow(2).sum().backward()
+    touched = head.markov_w1.weight.grad.abs().sum(-1).nonzero().flatten().tolist()
+    assert touched == [3, 9, 250] and head.markov_w1_proj.weight.grad.abs().sum() > 0
+    assert m.embed_tokens.weight.grad is None  # the target embedding stays frozen
+    m.zero_grad(set_to_none=True)
+    m.eval()
+    ref = outputs(m)
+    export_checkpoint(m, tmp_path / "e", dtype=torch.float32)
+    names = set(load_file(str(tmp_path / "e" / "model.safetensors")))
+    assert "markov_head.markov_w1.weight" in names and not any("w1_proj" in n for n in names)
+    m2 = load_drafter(tmp_path / "e", target)
+    assert m2.cfg.markov_w1_source == "table" and not hasattr(m2.markov_head, "markov_w1_proj")
+    torch.testing.assert_close(m2.markov_head.markov_w1.weight, w1)
+    got = outputs(m2)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.tokens, ref.tokens)
