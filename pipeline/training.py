@@ -43,7 +43,7 @@ class TrainConfig:
     markov_rank: int = field(default=256, metadata={"help": "Markov head rank r (dspark)"})
     markov_head: str = field(default="vanilla", metadata={"help": "sequential head", "choices": ["vanilla", "gated", "rnn"]})
     markov_w1: str = field(default="table", metadata={
-        "help": "how the Markov head's W1 [V, r] is parameterised while training: 'table' (free per-token rows, the "
+        "help": "(dspark) how the Markov head's W1 [V, r] is parameterised while training: 'table' (free per-token rows, the "
                 "paper's) or 'embedding' (the target's frozen input embedding, RMS-normalised, times a shared [r, d] "
                 "projection, plus a zero-initialised per-token table: tokens rare in the training data still get "
                 "a latent). The exported checkpoint holds the folded table either way", "choices": ["table", "embedding"]})
