@@ -45,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--drafters", default="dspark,dflash", help="kinds to train, comma separated")
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=7)
+    ap.add_argument("--markov-w1", default="table", choices=["table", "embedding"],
+                    help="dspark W1 while training (jobs.train --markov-w1): free table or from the target embedding")
     ap.add_argument("--epochs", type=float, default=6.0)
     ap.add_argument("--seqs-per-step", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=32)
@@ -139,7 +141,8 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
     run = args.out / f"train_{kind}"
     run.mkdir(parents=True, exist_ok=True)
     tcfg = TrainConfig(drafter=kind, num_layers=args.num_layers, block_size=args.block_size,
-                       num_anchors=args.num_anchors, seqs_per_step=args.seqs_per_step, lr=args.lr, seed=args.seed)
+                       num_anchors=args.num_anchors, seqs_per_step=args.seqs_per_step, lr=args.lr, seed=args.seed,
+                       markov_w1=args.markov_w1)
     torch.manual_seed(args.seed)
     dcfg = build_drafter_config(tcfg, target, layer_ids, len(draft_ids))
     model = DSparkDrafter.from_target(dcfg, target, draft_ids=torch.tensor(draft_ids)).to(device)
