@@ -113,7 +113,7 @@ class VanillaMarkovHead(nn.Module):
 
     def _embedding_latent(self, ids: torch.Tensor) -> torch.Tensor:  # [...] target ids -> [..., r]
         e = self._target_embed[0](ids)
-        e = e * torch.rsqrt(e.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(e.dtype)
+        e = F.rms_norm(e.float(), (e.shape[-1],), eps=1e-6)  # no weight: the scale is P's
         return self.markov_w1_proj(e.to(self.markov_w1_proj.weight.dtype))
 
     @torch.no_grad()

@@ -222,9 +222,10 @@ class TargetRunner:
         if huge_page_arena and self.device.type == "cpu":  # the streamed matrices in one huge-page-backed block
             from pipeline.hugepages import arena_copy
 
-            for dt_ in {w.weight.dtype for w in self.linear_weights() if w.weight is not None}:
-                plain = [w for w in self.linear_weights() if w.weight is not None and w.weight.dtype == dt_]
-                for w, t in zip(plain, arena_copy([w.weight for w in plain])):
+            plain = [w for w in self.linear_weights() if w.weight is not None]
+            for dt_ in {w.weight.dtype for w in plain}:
+                group = [w for w in plain if w.weight.dtype == dt_]
+                for w, t in zip(group, arena_copy([w.weight for w in group])):
                     w.weight = t
 
         # RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope scaling).

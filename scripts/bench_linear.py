@@ -58,9 +58,9 @@ def main(argv=None) -> None:
     ap.add_argument("--backends", default="mkl,packed,hybrid,tuned",
                     help="back ends for the whole-forward comparison ('' = skip it)")
     ap.add_argument("--forward-reps", type=int, default=5, help="rotations of the whole-forward comparison")
-    ap.add_argument("--arena", choices=["on", "off", "both"], default="on",
+    ap.add_argument("--arena", choices=["on", "off", "both"], default="off",
                     help="target runners with their plain weights in one huge-page block (pipeline/hugepages.py), "
-                         "without, or both side by side")
+                         "without (default, as TargetRunner's), or both side by side")
     ap.add_argument("--skip-shapes", action="store_true", help="only the whole-forward comparison")
     a = ap.parse_args(argv)
     if a.threads:
