@@ -60,6 +60,9 @@ class TrainConfig:
     lr: float = field(default=6e-4, metadata={"help": "peak learning rate (AdamW)"})
     warmup_frac: float = field(default=0.04, metadata={"help": "linear warmup fraction, then cosine to 0"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    feature_noise: float = field(default=0.0, metadata={
+        "help": "regularisation: add Gaussian noise to the injected target features while training, std = this "
+                "times each layer's per-token RMS (0 = off; inference always sees exact features)"})
     grad_clip: float = field(default=1.0, metadata={"help": "gradient norm clip"})
     loss_decay: str = field(default="4.0", metadata={
         "help": "position-weight decay: a number (reference code: 4.0) or 'gamma' (the paper: block size)"})
@@ -235,11 +238,29 @@ def step_blocks(samples: list[dict], num_anchors: int, block_size: int, decay, s
     return blocks, sum(float(weight_sum(b.label_mask, decay)) for b in blocks)
 
 
+def noisy_features(aux: torch.Tensor, hidden_size: int, rel_std: float, gen: torch.Generator) -> torch.Tensor:
+    """One sequence's injected features aux [T, n·d] plus Gaussian noise of std rel_std · the RMS of each token's
+    d-slice per layer (the n injected layers have different scales).  Drawn on the CPU from `gen`."""
+    T, nd = aux.shape
+    x = aux.float().view(T, nd // hidden_size, hidden_size)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [T,n,1]
+    noise = torch.randn(x.shape, generator=gen).to(x.device)
+    return (x + rel_std * rms * noise).view(T, nd).to(aux.dtype)
+
+
+def feature_noise_seed(seed: int, rank: int, step: int) -> int:
+    """The feature noise of (seed, rank, step): a resumed run draws the same."""
+    return zlib.crc32(f"noise:{seed}:{rank}:{step}".encode())
+
+
 def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, loss_cfg, denom: float,
-                         micro_batch: int = 1, bf16: bool = False, device=None):
+                         micro_batch: int = 1, bf16: bool = False, device=None, feature_noise: float = 0.0,
+                         noise_seed: int = 0):
     """Forward + backward of one optimizer step's sequences, `micro_batch` at a time (longest first, so padding
     stays small), every loss divided by the step's GLOBAL weight sum `denom`: the accumulated gradient is the
-    same for any micro_batch.  -> (loss parts summed, supervised positions, per-position accuracy · count)."""
+    same for any micro_batch.  feature_noise > 0: the injected features get noise (`noisy_features`) drawn from
+    `noise_seed`, so a resumed run draws the same.  -> (loss parts summed, supervised positions, per-position
+    accuracy · count)."""
     from pipeline.losses import drafter_loss
 
     need_target = target_head is not None
@@ -248,6 +269,10 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
     dev = torch.device(device) if device is not None else model.fc.weight.device
     parts, n_sup = {"loss": 0.0}, 0
     acc = torch.zeros(model.cfg.block_size)
+    if feature_noise > 0:  # per sequence, in the sorted order: the same noise for any micro_batch
+        gen = torch.Generator().manual_seed(noise_seed)
+        todo = [(s | {"aux_hidden": noisy_features(s["aux_hidden"], model.cfg.hidden_size, feature_noise, gen)}, b)
+                for s, b in todo]
     for i in range(0, len(todo), max(1, micro_batch)):
         chunk = todo[i:i + max(1, micro_batch)]
         x = collate([s for s, _ in chunk], [b for _, b in chunk], need_target, dev)
@@ -407,8 +432,9 @@ def train_loop_per_worker(config: dict):
             dist.all_reduce(wsum)
         denom = max(float(wsum), 1e-12)
         opt.zero_grad(set_to_none=True)
-        parts, n_sup, acc = accumulate_gradients(model, target_head, samples, blocks, loss_cfg, denom,
-                                                 cfg.micro_batch, bf16=cfg.bf16)
+        parts, n_sup, acc = accumulate_gradients(
+            model, target_head, samples, blocks, loss_cfg, denom, cfg.micro_batch, bf16=cfg.bf16,
+            feature_noise=cfg.feature_noise, noise_seed=feature_noise_seed(cfg.seed, rank, step))
         if world > 1:
             _flat_allreduce(params, world)
             import torch.distributed as dist

@@ -47,6 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=7)
     ap.add_argument("--markov-w1", default="table", choices=["table", "embedding"],
                     help="dspark W1 while training (jobs.train --markov-w1): free table or from the target embedding")
+    ap.add_argument("--feature-noise", type=float, default=0.0,
+                    help="noise on the injected features while training (jobs.train --feature-noise)")
     ap.add_argument("--epochs", type=float, default=6.0)
     ap.add_argument("--seqs-per-step", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=32)
@@ -135,8 +137,9 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
     from pipeline.checkpoint import export_checkpoint, load_target_weights
     from pipeline.drafter import DSparkDrafter
     from pipeline.losses import LossConfig, TargetHead
-    from pipeline.training import (TrainConfig, accumulate_gradients, append_metrics, build_drafter_config, lr_lambda,
-                                   metrics_row, plot_metrics, step_blocks, step_sample_ids)
+    from pipeline.training import (TrainConfig, accumulate_gradients, append_metrics, build_drafter_config,
+                                   feature_noise_seed, lr_lambda, metrics_row, plot_metrics, step_blocks,
+                                   step_sample_ids)
 
     run = args.out / f"train_{kind}"
     run.mkdir(parents=True, exist_ok=True)
@@ -165,7 +168,8 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
         denom = max(wsum, 1e-12)
         opt.zero_grad(set_to_none=True)
         parts, n_sup, acc = accumulate_gradients(model, head, batch, blocks, loss_cfg, denom, args.micro_batch,
-                                                 device=device)
+                                                 device=device, feature_noise=args.feature_noise,
+                                                 noise_seed=feature_noise_seed(args.seed, 0, step))
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
         opt.step()
         sched.step()

@@ -219,18 +219,43 @@ def test_micro_batched_step_equals_per_sequence_loop(kind):
     gen = torch.Generator().manual_seed(3)
     blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], 6, G, gen) for s in samples]
     denom = sum(float(weight_sum(b.label_mask, lcfg.decay)) for b in blocks)
-    results = []
-    for mb in (1, 3, 4):
-        m.zero_grad(set_to_none=True)
-        parts, n_sup, _ = accumulate_gradients(m, th, samples, blocks, lcfg, denom, micro_batch=mb)
-        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
-        results.append((parts, n_sup, grads))
-    (p1, n1, g1) = results[0]
-    assert n1 == sum(b.num_supervised for b in blocks) > 0
-    for parts, n, g in results[1:]:
-        assert n == n1 and set(parts) == set(p1)
-        for k in p1:
-            assert parts[k] == pytest.approx(p1[k], rel=1e-5, abs=1e-6)
-        assert set(g) == set(g1)
-        for name in g1:
-            torch.testing.assert_close(g[name], g1[name], atol=2e-6, rtol=1e-4)
+    by_noise = {}
+    for noise in (0.0, 0.3):  # --feature-noise: per-sequence noise, so micro-batching still does not matter
+        results = []
+        for mb in (1, 3, 4):
+            m.zero_grad(set_to_none=True)
+            parts, n_sup, _ = accumulate_gradients(m, th, samples, blocks, lcfg, denom, micro_batch=mb,
+                                                   feature_noise=noise, noise_seed=11)
+            grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            results.append((parts, n_sup, grads))
+        (p1, n1, g1) = results[0]
+        assert n1 == sum(b.num_supervised for b in blocks) > 0
+        for parts, n, g in results[1:]:
+            assert n == n1 and set(parts) == set(p1)
+            for k in p1:
+                assert parts[k] == pytest.approx(p1[k], rel=1e-5, abs=1e-6)
+            assert set(g) == set(g1)
+            for name in g1:
+                torch.testing.assert_close(g[name], g1[name], atol=2e-6, rtol=1e-4)
+        by_noise[noise] = g1
+    fc0, fc1 = by_noise[0.0]["fc.weight"], by_noise[0.3]["fc.weight"]  # the noise reached the gradient
+    assert (fc1 - fc0).norm() > 0.05 * fc0.norm()
+
+
+def test_feature_noise_scales_with_each_layer_rms():
+    """noisy_features: noise std = rel_std x the per-token RMS of each injected layer's slice (layers differ in
+    scale), reproducible from the generator, input left untouched."""
+    from pipeline.training import noisy_features
+
+    d, T = 64, 4000
+    scales = torch.tensor([0.5, 3.0, 20.0])  # three injected layers of very different magnitude
+    aux = (torch.randn(T, 3, d) * scales[:, None]).view(T, 3 * d)
+    before = aux.clone()
+    out = noisy_features(aux, d, 0.1, torch.Generator().manual_seed(0))
+    assert torch.equal(aux, before) and out.shape == aux.shape
+    noise = (out - aux).view(T, 3, d)
+    rms = aux.view(T, 3, d).pow(2).mean(-1, keepdim=True).sqrt()
+    ratio = (noise / rms).std(dim=(0, 2))  # per layer
+    torch.testing.assert_close(ratio, torch.full((3,), 0.1), atol=3e-3, rtol=0)
+    again = noisy_features(aux, d, 0.1, torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)

@@ -57,8 +57,9 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     from pipeline.training import read_learning_curve
 
     # W1 parameterised from the target embedding (--markov-w1 embedding): its projection is trained, checkpointed
-    # and resumed like every other weight, and folded into the exported table (asserted at the end)
-    w1 = ("--markov-w1", "embedding")
+    # and resumed like every other weight, and folded into the exported table (asserted at the end); the feature
+    # noise is drawn from (seed, rank, step), so a resumed run draws the same
+    w1 = ("--markov-w1", "embedding", "--feature-noise", "0.1")
     main(_args(tiny_setup, tmp_path / "a", *w1))
     full = _losses(tmp_path / "a")
     assert sorted(full) == [1, 2, 3, 4, 5, 6] and full[6] < full[1]
