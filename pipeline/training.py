@@ -90,6 +90,18 @@ class TrainConfig:
         "help": "end this run after N total steps (checkpointed), as a preemption would; --resume finishes it"})
     address: str | None = field(default=None, metadata={"help": "Ray address (default: a local ray.init())"})
 
+    def __post_init__(self):  # a clear error naming the flag (parse_config turns it into a usage error)
+        positive = ("lr", "epochs", "seqs_per_step", "micro_batch", "num_anchors", "workers", "cpus_per_worker",
+                    "block_size", "num_layers")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("feature_noise", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.holdout_frac < 1:
+            raise ValueError(f"--holdout-frac must be in [0, 1), got {self.holdout_frac}")
+
     def decay_value(self):
         return "gamma" if self.loss_decay == "gamma" else float(self.loss_decay)
 

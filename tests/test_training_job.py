@@ -150,3 +150,16 @@ def _is_loopback(addr: str) -> bool:
 
     ip = ipaddress.ip_address(addr.rsplit(":", 1)[0])
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+@pytest.mark.parametrize("flag,value,message", [("--feature-noise", "-0.1", "--feature-noise must be >= 0"),
+                                                ("--lr", "0", "--lr must be > 0"),
+                                                ("--holdout-frac", "1.5", "--holdout-frac must be in [0, 1)")])
+def test_train_rejects_bad_numbers_before_starting(tmp_path, capsys, flag, value, message):
+    """Nonsense numbers are a usage error naming the flag, raised before Ray starts or --out is touched."""
+    from jobs.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "run"), flag, value])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
