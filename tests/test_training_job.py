@@ -59,14 +59,14 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     # W1 parameterised from the target embedding (--markov-w1 embedding): its projection is trained, checkpointed
     # and resumed like every other weight, and folded into the exported table (asserted at the end); the feature
     # noise is drawn from (seed, rank, step), so a resumed run draws the same
-    w1 = ("--markov-w1", "embedding", "--feature-noise", "0.1")
-    main(_args(tiny_setup, tmp_path / "a", *w1))
+    opts = ("--markov-w1", "embedding", "--feature-noise", "0.1")
+    main(_args(tiny_setup, tmp_path / "a", *opts))
     full = _losses(tmp_path / "a")
     assert sorted(full) == [1, 2, 3, 4, 5, 6] and full[6] < full[1]
     assert (tmp_path / "a" / "drafter" / "config.json").is_file() and (tmp_path / "a" / "loss_curve.png").is_file()
-    main(_args(tiny_setup, tmp_path / "b", "--stop-after", "3", *w1))
+    main(_args(tiny_setup, tmp_path / "b", "--stop-after", "3", *opts))
     assert sorted(_losses(tmp_path / "b")) == [1, 2, 3] and not (tmp_path / "b" / "drafter").exists()
-    main(_args(tiny_setup, tmp_path / "b", "--resume", *w1))
+    main(_args(tiny_setup, tmp_path / "b", "--resume", *opts))
     resumed = _losses(tmp_path / "b")
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
