@@ -270,7 +270,11 @@ def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n
     ax.set_ylabel("observed acceptance of prefix")
     ax.set_title("confidence reliability")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:  # e.g. --scheduler hardware: rounds verified fewer than gamma drafts, so no round shows every prefix
+        ax.text(0.5, 0.5, "no full-depth rounds to score\n(run with --scheduler fixed)", ha="center", va="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

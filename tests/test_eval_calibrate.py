@@ -73,3 +73,17 @@ def test_calibrate_writes_temperatures(smol_drafter, bench_file, target_dir, tmp
     assert sum(r["after"]["ece"]) <= sum(r["before"]["ece"]) + 1e-9
     assert read_config(smol_drafter).sts_temperatures == pytest.approx(r["sts_temperatures"])
     assert (tmp_path / "reliability.png").is_file() and (tmp_path / "calibration.json").is_file()
+
+
+def test_reliability_plot_without_full_depth_rounds_says_so(tmp_path):
+    """Under an adaptive scheduler no round verifies all gamma drafts: the diagram is written with a note, and
+    matplotlib has no empty legend to warn about."""
+    import warnings
+
+    from pipeline.evaluation import plot_reliability
+
+    png = tmp_path / "reliability.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_reliability({"dspark": [{"rounds": []}]}, [("dspark", 7)], png)
+    assert png.stat().st_size > 1000
