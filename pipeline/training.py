@@ -239,13 +239,19 @@ def collate(samples: list[dict], blocks: list, need_target: bool, device=None) -
                 lse=stack("target_lse") if has_lse else None, blocks=blk)
 
 
+def step_seed(seed: int, rank: int, step: int, purpose: str = "") -> int:
+    """The seed of one rank's random draws at `step` (anchors: purpose ""; feature noise: "noise:"), so a resumed
+    run draws what the uninterrupted one would have."""
+    return zlib.crc32(f"{purpose}{seed}:{rank}:{step}".encode())
+
+
 def step_blocks(samples: list[dict], num_anchors: int, block_size: int, decay, seed: int, rank: int, step: int):
     """This rank's anchors and block labels for `step`, drawn from (seed, rank, step) so a resumed run draws the same,
     and their local weight sum Σw (all-reduce it across ranks for the step's global denominator)."""
     from pipeline.anchors import make_blocks
     from pipeline.losses import weight_sum
 
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{rank}:{step}".encode()))
+    gen = torch.Generator().manual_seed(step_seed(seed, rank, step))
     blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], num_anchors, block_size, gen) for s in samples]
     return blocks, sum(float(weight_sum(b.label_mask, decay)) for b in blocks)
 
@@ -258,11 +264,6 @@ def noisy_features(aux: torch.Tensor, hidden_size: int, rel_std: float, gen: tor
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [T,n,1]
     noise = torch.randn(x.shape, generator=gen).to(x.device)
     return (x + rel_std * rms * noise).view(T, nd).to(aux.dtype)
-
-
-def feature_noise_seed(seed: int, rank: int, step: int) -> int:
-    """The feature noise of (seed, rank, step): a resumed run draws the same."""
-    return zlib.crc32(f"noise:{seed}:{rank}:{step}".encode())
 
 
 def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, loss_cfg, denom: float,
@@ -446,7 +447,7 @@ def train_loop_per_worker(config: dict):
         opt.zero_grad(set_to_none=True)
         parts, n_sup, acc = accumulate_gradients(
             model, target_head, samples, blocks, loss_cfg, denom, cfg.micro_batch, bf16=cfg.bf16,
-            feature_noise=cfg.feature_noise, noise_seed=feature_noise_seed(cfg.seed, rank, step))
+            feature_noise=cfg.feature_noise, noise_seed=step_seed(cfg.seed, rank, step, "noise:"))
         if world > 1:
             _flat_allreduce(params, world)
             import torch.distributed as dist

@@ -138,8 +138,8 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
     from pipeline.drafter import DSparkDrafter
     from pipeline.losses import LossConfig, TargetHead
     from pipeline.training import (TrainConfig, accumulate_gradients, append_metrics, build_drafter_config,
-                                   feature_noise_seed, lr_lambda, metrics_row, plot_metrics, step_blocks,
-                                   step_sample_ids)
+                                   lr_lambda, metrics_row, plot_metrics, step_blocks, step_sample_ids,
+                                   step_seed)
 
     run = args.out / f"train_{kind}"
     run.mkdir(parents=True, exist_ok=True)
@@ -169,7 +169,7 @@ def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int]
         opt.zero_grad(set_to_none=True)
         parts, n_sup, acc = accumulate_gradients(model, head, batch, blocks, loss_cfg, denom, args.micro_batch,
                                                  device=device, feature_noise=args.feature_noise,
-                                                 noise_seed=feature_noise_seed(args.seed, 0, step))
+                                                 noise_seed=step_seed(args.seed, 0, step, "noise:"))
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip))
         opt.step()
         sched.step()
