@@ -51,16 +51,42 @@ def heldout_prompts(cfg: CalibrateConfig) -> list[list[int]]:
         tok = AutoTokenizer.from_pretrained(str(resolve_target(cfg.target)))
         rows, _ = read_prompt_files(cfg.prompts, cfg.limit)
         return [chat_prompt_ids(tok, r.text) for r in rows]
+    rows = heldout_rows(cfg.train_dir or Path(cfg.drafter).parent, cfg.responses)
+    return [ids for _, ids in rows][: cfg.limit]
+
+
+def heldout_rows(train_dir: Path, responses: Path | None = None) -> list[tuple[str, list[int]]]:
+    """(request_id, prompt_ids) of a training run's held-out samples (plan.json's hold-out split: prompts the
+    drafter never trained on, from the training prompts' own distribution), in the responses store's order.
+    ``responses`` defaults to the store that the run's hidden states were extracted from (their manifest says)."""
     from pipeline.shards import ShardSet
 
-    train_dir = cfg.train_dir or Path(cfg.drafter).parent
-    plan = json.loads((Path(train_dir) / "plan.json").read_text())
-    hold = set(plan["holdout_ids"])
+    train_dir = Path(train_dir)
+    if not (train_dir / "plan.json").is_file():
+        raise FileNotFoundError(f"{train_dir}: not a training run folder (plan.json missing)")
+    plan = json.loads((train_dir / "plan.json").read_text())
+    hold = set(plan.get("holdout_ids") or [])
     if not hold:
         raise ValueError(f"{train_dir}/plan.json has no held-out samples (train with --holdout-frac > 0)")
-    out = [r["prompt_ids"] for r in ShardSet(cfg.responses, "request_id").iter_rows(["request_id", "prompt_ids"])
-           if r["request_id"] in hold]
-    return out[: cfg.limit]
+    if responses is None:
+        data = (plan.get("config") or {}).get("data")
+        manifest = Path(data) / "manifest.json" if data else None
+        found = json.loads(manifest.read_text()).get("responses") if manifest and manifest.is_file() else None
+        if not found or not Path(found).is_dir():
+            raise FileNotFoundError(f"{train_dir}: cannot tell which responses folder its data came from "
+                                    f"(hidden-state manifest {manifest} names {found!r}); pass --responses")
+        responses = Path(found)
+    if not Path(responses).is_dir():
+        raise FileNotFoundError(f"--responses {responses}: no such folder")
+    store = ShardSet(responses, "request_id")
+    if not store.shard_paths():
+        raise FileNotFoundError(f"--responses {responses}: no response shards there")
+    rows = [(r["request_id"], list(r["prompt_ids"]))
+            for r in store.iter_rows(["request_id", "prompt_ids"]) if r["request_id"] in hold]
+    if not rows:
+        raise ValueError(f"none of the {len(hold)} held-out samples of {train_dir} is in {responses}; "
+                         f"is that the responses folder the run was trained from?")
+    return rows
 
 
 def full_length_rounds(rounds, gamma: int) -> tuple[list, list]:

@@ -30,6 +30,13 @@ class EvalConfig:
                 "--drafter dflash=work/train/dflash/drafter"})
     benchmarks: list[Path] = field(default_factory=list, metadata={
         "help": "benchmark JSONL files ({\"turns\": [...]}, first turn used); default: the shipped prompt set"})
+    heldout_of: Path | None = field(default=None, metadata={
+        "help": "a training run folder (jobs.train --out): also evaluate on its HELD-OUT prompts, one suite per "
+                "training prompt file (heldout-<file>): same distribution as the training data, never trained on, "
+                "so τ there vs on the benchmarks separates over-fitting from domain shift"})
+    responses: Path | None = field(default=None, metadata={
+        "help": "responses folder holding those held-out prompts (default: the one the run's hidden states were "
+                "extracted from)"})
     out: Path = field(default=Path("work/eval"), metadata={"help": "output folder (results.json + PNGs)"})
     target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
     limit: int = field(default=20, metadata={"help": "prompts per benchmark (shuffled with seed 980406 if fewer "
@@ -90,6 +97,23 @@ def load_benchmark(path: Path, tokenizer, limit: int) -> list[dict]:
     return [{"id": r.request_id, "prompt_ids": chat_prompt_ids(tokenizer, r.text)} for r in rows]
 
 
+def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> list[tuple[str, list[dict]]]:
+    """A training run's held-out prompts as evaluation suites, one per source prompt file (request ids are
+    "<file tag>:<line>"), each subsampled like a benchmark file: [("heldout-<tag>", [{id, prompt_ids}])]."""
+    from pipeline.calibration import heldout_rows
+
+    by_tag: dict[str, list[dict]] = {}
+    for rid, ids in heldout_rows(train_dir, responses):
+        by_tag.setdefault(rid.rsplit(":", 1)[0], []).append({"id": rid, "prompt_ids": ids})
+    suites = []
+    for tag, rows in sorted(by_tag.items()):
+        if len(rows) > limit:
+            random.Random(EVAL_SEED).shuffle(rows)
+            rows = rows[:limit]
+        suites.append((f"heldout-{tag}", rows))
+    return suites
+
+
 def summarize(records: list[dict], gamma: int) -> dict:
     """records: one per (prompt, system): stats dict, rounds (list of {L, m, conf}), tokens, seconds."""
     rounds = sum(r["stats"]["rounds"] for r in records)
@@ -137,11 +161,18 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     from pipeline.target_model import resolve_target
     from pipeline.target_runner import TargetRunner
 
+    if cfg.responses and not cfg.heldout_of:
+        raise ValueError("--responses only applies with --heldout-of (whose held-out prompts it holds)")
     torch_threads(cfg.threads)
     target = resolve_target(cfg.target)
     tok = AutoTokenizer.from_pretrained(str(target))
     drafters = parse_drafters(cfg.drafter)
-    benches = cfg.benchmarks or [DEFAULT_PROMPTS]
+    benches = cfg.benchmarks or ([] if cfg.heldout_of else [DEFAULT_PROMPTS])
+    suites = [(Path(b).stem, load_benchmark(Path(b), tok, cfg.limit)) for b in benches]
+    if cfg.heldout_of:
+        suites += load_heldout_suites(cfg.heldout_of, cfg.responses, cfg.limit)
+    if len({name for name, _ in suites}) != len(suites):
+        raise ValueError(f"benchmark names must be unique, got {[name for name, _ in suites]}")
     device = resolve_device(cfg.device)
     runners = TargetRunner.several_from_pretrained(
         target, sorted(set(cfg.baseline_dtypes) | ({cfg.spec_dtype} if drafters else set())), device=device)
@@ -176,10 +207,9 @@ def run_evaluation(cfg: EvalConfig) -> dict:
                "benchmarks": {}}
     all_records = {name: [] for name, _, _ in systems}
     mismatches = {name: 0 for name, _, _ in systems}
-    for bench in benches:
-        prompts = load_benchmark(Path(bench), tok, cfg.limit)
+    for suite, prompts in suites:
         recs = {name: [] for name, _, _ in systems}
-        for i, p in enumerate(tqdm(prompts, desc=f"evaluate {Path(bench).stem}", dynamic_ncols=True)):
+        for i, p in enumerate(tqdm(prompts, desc=f"evaluate {suite}", dynamic_ncols=True)):
             params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                     seed=cfg.seed + i)
             outs = {}
@@ -197,7 +227,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
                 for name, _, gamma in systems:
                     if gamma and outs[name] != outs[ref_name]:
                         mismatches[name] += 1
-        results["benchmarks"][Path(bench).stem] = {name: summarize(recs[name], g) for name, _, g in systems}
+        results["benchmarks"][suite] = {name: summarize(recs[name], g) for name, _, g in systems}
         for name in recs:
             all_records[name] += recs[name]
     overall = {name: summarize(all_records[name], g) for name, _, g in systems}

@@ -87,3 +87,76 @@ def test_reliability_plot_without_full_depth_rounds_says_so(tmp_path):
         warnings.simplefilter("error")
         plot_reliability({"dspark": [{"rounds": []}]}, [("dspark", 7)], png)
     assert png.stat().st_size > 1000
+
+
+def _training_run_with_holdout(tmp_path, prompt_ids: dict[str, list[int]], holdout: list[str]):
+    """A training run folder as jobs.train leaves it (plan.json naming the held-out ids and the hidden-state store,
+    whose manifest names the responses folder) over a small responses store."""
+    import pyarrow as pa
+
+    from pipeline.shards import ShardSet
+
+    resp = tmp_path / "responses"
+    ShardSet(resp, "request_id").write_shard(pa.table({
+        "request_id": list(prompt_ids), "prompt_ids": [list(v) for v in prompt_ids.values()]}))
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "manifest.json").write_text(json.dumps({"stage": "hidden_states", "responses": str(resp)}))
+    run = tmp_path / "train"
+    run.mkdir()
+    (run / "plan.json").write_text(json.dumps({"holdout_ids": holdout, "config": {"data": str(hidden)}}))
+    return run, resp
+
+
+def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
+    from pipeline.evaluation import load_heldout_suites
+
+    ids = {f"{tag}:{i}": [i, i + 1, i + 2] for tag in ("math", "code") for i in range(1, 6)}
+    run, resp = _training_run_with_holdout(tmp_path, ids, ["math:2", "math:4", "code:1", "code:3", "code:5"])
+    suites = dict(load_heldout_suites(run, None, limit=20))  # responses found through the hidden-state manifest
+    assert set(suites) == {"heldout-math", "heldout-code"}
+    assert {r["id"] for r in suites["heldout-math"]} == {"math:2", "math:4"}
+    assert suites["heldout-code"][0]["prompt_ids"] == ids[suites["heldout-code"][0]["id"]]
+    capped = dict(load_heldout_suites(run, resp, limit=2))
+    assert len(capped["heldout-code"]) == 2 and set(r["id"] for r in capped["heldout-code"]) < {"code:1", "code:3",
+                                                                                             "code:5"}
+
+
+def test_heldout_suites_name_what_is_missing(tmp_path):
+    from pipeline.evaluation import load_heldout_suites
+
+    with pytest.raises(FileNotFoundError, match="plan.json missing"):
+        load_heldout_suites(tmp_path, None, 8)
+    run, resp = _training_run_with_holdout(tmp_path, {"a:1": [1, 2]}, ["b:7"])
+    with pytest.raises(ValueError, match="none of the 1 held-out samples"):
+        load_heldout_suites(run, resp, 8)
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_heldout_suites(run, tmp_path / "nowhere", 8)
+    assert not (tmp_path / "nowhere").exists()  # a reader creates nothing
+    (run / "plan.json").write_text(json.dumps({"holdout_ids": ["a:1"], "config": {"data": str(tmp_path / "gone")}}))
+    with pytest.raises(FileNotFoundError, match="pass --responses"):
+        load_heldout_suites(run, None, 8)
+    from pipeline.evaluation import EvalConfig, run_evaluation
+
+    with pytest.raises(ValueError, match="only applies with --heldout-of"):
+        run_evaluation(EvalConfig(responses=resp, out=tmp_path / "eval"))
+    (run / "plan.json").write_text(json.dumps({"holdout_ids": []}))
+    with pytest.raises(ValueError, match="no held-out samples"):
+        load_heldout_suites(run, resp, 8)
+
+
+def test_evaluate_on_a_training_runs_heldout_prompts(smol_drafter, target_dir, tmp_path):
+    """--heldout-of alone evaluates the run's held-out prompts (real chat-templated ids), one suite per source."""
+    from transformers import AutoTokenizer
+
+    from jobs.evaluate import main
+    from pipeline.prompts import chat_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    texts = {"math:1": "What is 3 + 4?", "math:2": "What is 5 * 6?", "code:1": "Write hello world in Python."}
+    run, _ = _training_run_with_holdout(tmp_path, {k: chat_prompt_ids(tok, t) for k, t in texts.items()},
+                                        ["math:2", "code:1"])
+    res = main(["--drafter", f"dspark={smol_drafter}", "--heldout-of", str(run), "--max-new-tokens", "6",
+                "--baseline-dtypes", "float32", "--out", str(tmp_path / "eval"), "--target", str(target_dir)])
+    assert set(res["benchmarks"]) == {"heldout-math", "heldout-code"}
+    assert res["overall"]["dspark"]["prompts"] == 2 and res["overall"]["dspark"]["greedy_mismatches_vs_baseline"] == 0
