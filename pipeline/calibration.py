@@ -24,7 +24,9 @@ class CalibrateConfig:
         "help": "drafter checkpoint folder; its config gets the fitted temperatures"})
     train_dir: Path | None = field(default=None, metadata={
         "help": "training run folder whose plan.json names the held-out samples (default: the drafter's parent)"})
-    responses: Path = field(default=Path("work/responses"), metadata={"help": "stage-1 output holding their prompts"})
+    responses: Path | None = field(default=None, metadata={
+        "help": "stage-1 output holding their prompts (default: the folder the run's hidden states were extracted "
+                "from, as their manifest records it)"})
     prompts: list[Path] = field(default_factory=list, metadata={
         "help": "use these prompt JSONL files instead of the held-out responses"})
     target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})

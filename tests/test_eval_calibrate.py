@@ -117,13 +117,17 @@ def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
     assert set(suites) == {"heldout-math", "heldout-code"}
     assert {r["id"] for r in suites["heldout-math"]} == {"math:2", "math:4"}
     assert suites["heldout-code"][0]["prompt_ids"] == ids[suites["heldout-code"][0]["id"]]
+    from pipeline.calibration import CalibrateConfig, heldout_prompts
+
+    # jobs.calibrate finds the same responses by default (drafter inside the run folder)
+    assert heldout_prompts(CalibrateConfig(drafter=run / "drafter", limit=2)) == [ids["math:2"], ids["math:4"]]
     capped = dict(load_heldout_suites(run, resp, limit=2))
     assert len(capped["heldout-code"]) == 2 and set(r["id"] for r in capped["heldout-code"]) < {"code:1", "code:3",
                                                                                              "code:5"}
 
 
 def test_heldout_suites_name_what_is_missing(tmp_path):
-    from pipeline.evaluation import load_heldout_suites
+    from pipeline.evaluation import EvalConfig, load_heldout_suites, run_evaluation
 
     with pytest.raises(FileNotFoundError, match="plan.json missing"):
         load_heldout_suites(tmp_path, None, 8)
@@ -136,8 +140,6 @@ def test_heldout_suites_name_what_is_missing(tmp_path):
     (run / "plan.json").write_text(json.dumps({"holdout_ids": ["a:1"], "config": {"data": str(tmp_path / "gone")}}))
     with pytest.raises(FileNotFoundError, match="pass --responses"):
         load_heldout_suites(run, None, 8)
-    from pipeline.evaluation import EvalConfig, run_evaluation
-
     with pytest.raises(ValueError, match="only applies with --heldout-of"):
         run_evaluation(EvalConfig(responses=resp, out=tmp_path / "eval"))
     (run / "plan.json").write_text(json.dumps({"holdout_ids": []}))
