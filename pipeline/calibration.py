@@ -61,7 +61,7 @@ def heldout_rows(train_dir: Path, responses: Path | None = None) -> list[tuple[s
     """(request_id, prompt_ids) of a training run's held-out samples (plan.json's hold-out split: prompts the
     drafter never trained on, from the training prompts' own distribution), in the responses store's order.
     ``responses`` defaults to the store that the run's hidden states were extracted from (their manifest says)."""
-    from pipeline.shards import ShardSet
+    from pipeline.shards import MANIFEST, ShardSet
 
     train_dir = Path(train_dir)
     if not (train_dir / "plan.json").is_file():
@@ -72,7 +72,7 @@ def heldout_rows(train_dir: Path, responses: Path | None = None) -> list[tuple[s
         raise ValueError(f"{train_dir}/plan.json has no held-out samples (train with --holdout-frac > 0)")
     if responses is None:
         data = (plan.get("config") or {}).get("data")
-        manifest = Path(data) / "manifest.json" if data else None
+        manifest = Path(data) / MANIFEST if data else None
         found = json.loads(manifest.read_text()).get("responses") if manifest and manifest.is_file() else None
         if not found or not Path(found).is_dir():
             raise FileNotFoundError(f"{train_dir}: cannot tell which responses folder its data came from "

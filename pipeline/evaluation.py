@@ -90,11 +90,16 @@ def load_benchmark(path: Path, tokenizer, limit: int) -> list[dict]:
     rows, skips = read_prompt_files([path])
     for s in skips:
         print(f"[evaluate] skipped {s.request_id}: {s.reason}")
-    if len(rows) > limit:
-        rng = random.Random(EVAL_SEED)
-        rng.shuffle(rows)
-        rows = rows[:limit]
-    return [{"id": r.request_id, "prompt_ids": chat_prompt_ids(tokenizer, r.text)} for r in rows]
+    return [{"id": r.request_id, "prompt_ids": chat_prompt_ids(tokenizer, r.text)} for r in subsample(rows, limit)]
+
+
+def subsample(rows: list, limit: int) -> list:
+    """At most `limit` rows of a suite: all of them in order, or a shuffle with the fixed EVAL_SEED cut to `limit`."""
+    if len(rows) <= limit:
+        return rows
+    rows = list(rows)
+    random.Random(EVAL_SEED).shuffle(rows)
+    return rows[:limit]
 
 
 def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> list[tuple[str, list[dict]]]:
@@ -105,13 +110,7 @@ def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> 
     by_tag: dict[str, list[dict]] = {}
     for rid, ids in heldout_rows(train_dir, responses):
         by_tag.setdefault(rid.rsplit(":", 1)[0], []).append({"id": rid, "prompt_ids": ids})
-    suites = []
-    for tag, rows in sorted(by_tag.items()):
-        if len(rows) > limit:
-            random.Random(EVAL_SEED).shuffle(rows)
-            rows = rows[:limit]
-        suites.append((f"heldout-{tag}", rows))
-    return suites
+    return [(f"heldout-{tag}", subsample(rows, limit)) for tag, rows in sorted(by_tag.items())]
 
 
 def summarize(records: list[dict], gamma: int) -> dict:

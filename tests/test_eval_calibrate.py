@@ -109,6 +109,7 @@ def _training_run_with_holdout(tmp_path, prompt_ids: dict[str, list[int]], holdo
 
 
 def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
+    from pipeline.calibration import CalibrateConfig, heldout_prompts
     from pipeline.evaluation import load_heldout_suites
 
     ids = {f"{tag}:{i}": [i, i + 1, i + 2] for tag in ("math", "code") for i in range(1, 6)}
@@ -117,8 +118,6 @@ def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
     assert set(suites) == {"heldout-math", "heldout-code"}
     assert {r["id"] for r in suites["heldout-math"]} == {"math:2", "math:4"}
     assert suites["heldout-code"][0]["prompt_ids"] == ids[suites["heldout-code"][0]["id"]]
-    from pipeline.calibration import CalibrateConfig, heldout_prompts
-
     # jobs.calibrate finds the same responses by default (drafter inside the run folder)
     assert heldout_prompts(CalibrateConfig(drafter=run / "drafter", limit=2)) == [ids["math:2"], ids["math:4"]]
     capped = dict(load_heldout_suites(run, resp, limit=2))
