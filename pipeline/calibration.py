@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pipeline.sampling import SamplingParams
+from pipeline.subsets import subsample
 
 
 @dataclass
@@ -54,7 +55,7 @@ def heldout_prompts(cfg: CalibrateConfig) -> list[list[int]]:
         rows, _ = read_prompt_files(cfg.prompts, cfg.limit)
         return [chat_prompt_ids(tok, r.text) for r in rows]
     rows = heldout_rows(cfg.train_dir or Path(cfg.drafter).parent, cfg.responses)
-    return [ids for _, ids in rows][: cfg.limit]
+    return [ids for _, ids in subsample(rows, cfg.limit)]  # seeded: not the store's first ones
 
 
 def heldout_rows(train_dir: Path, responses: Path | None = None) -> list[tuple[str, list[int]]]:

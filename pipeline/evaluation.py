@@ -9,7 +9,6 @@ output must equal the baseline's token for token; mismatches are counted in resu
 from __future__ import annotations
 
 import json
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +17,9 @@ import torch
 
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import SCHEDULERS
+from pipeline.subsets import subsample
 from pipeline.target_runner import LINEAR_BACKENDS
 
-EVAL_SEED = 980406  # DeepSpec's subsampling seed (DSPARK.md §9)
 
 
 @dataclass
@@ -91,15 +90,6 @@ def load_benchmark(path: Path, tokenizer, limit: int) -> list[dict]:
     for s in skips:
         print(f"[evaluate] skipped {s.request_id}: {s.reason}")
     return [{"id": r.request_id, "prompt_ids": chat_prompt_ids(tokenizer, r.text)} for r in subsample(rows, limit)]
-
-
-def subsample(rows: list, limit: int) -> list:
-    """At most `limit` rows of a suite: all of them in order, or a shuffle with the fixed EVAL_SEED cut to `limit`."""
-    if len(rows) <= limit:
-        return rows
-    rows = list(rows)
-    random.Random(EVAL_SEED).shuffle(rows)
-    return rows[:limit]
 
 
 def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> list[tuple[str, list[dict]]]:

@@ -119,10 +119,29 @@ def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
     assert {r["id"] for r in suites["heldout-math"]} == {"math:2", "math:4"}
     assert suites["heldout-code"][0]["prompt_ids"] == ids[suites["heldout-code"][0]["id"]]
     # jobs.calibrate finds the same responses by default (drafter inside the run folder)
-    assert heldout_prompts(CalibrateConfig(drafter=run / "drafter", limit=2)) == [ids["math:2"], ids["math:4"]]
+    assert heldout_prompts(CalibrateConfig(drafter=run / "drafter", limit=5)) == [
+        ids[i] for i in ("math:2", "math:4", "code:1", "code:3", "code:5")]
     capped = dict(load_heldout_suites(run, resp, limit=2))
     assert len(capped["heldout-code"]) == 2 and set(r["id"] for r in capped["heldout-code"]) < {"code:1", "code:3",
                                                                                              "code:5"}
+
+
+def test_heldout_subsets_draw_from_every_source_file(tmp_path):
+    """"At most N held-out samples" (calibration's --limit, the learning curve's --eval-samples) is a fixed seeded
+    subset, not the first N of the store's order or of the sorted ids, which would all come from one prompt file."""
+    from pipeline.calibration import CalibrateConfig, heldout_prompts
+    from pipeline.training import heldout_eval_ids
+
+    ids = {f"{tag}:{i}": [k, i] for k, tag in enumerate(("arena", "math")) for i in range(10, 30)}
+    run, _ = _training_run_with_holdout(tmp_path, ids, list(ids))
+    picked = heldout_prompts(CalibrateConfig(drafter=run / "drafter", limit=8))
+    assert len(picked) == 8 and {p[0] for p in picked} == {0, 1}  # both files
+    assert len({tuple(p) for p in picked}) == 8
+    assert heldout_prompts(CalibrateConfig(drafter=run / "drafter", limit=8)) == picked  # the same every time
+    curve = heldout_eval_ids(list(ids), 8)
+    assert len(set(curve)) == 8 and {i.split(":")[0] for i in curve} == {"arena", "math"}
+    assert heldout_eval_ids(list(reversed(list(ids))), 8) == curve  # independent of the plan's order
+    assert sorted(heldout_eval_ids(list(ids), 100)) == sorted(ids)
 
 
 def test_heldout_suites_name_what_is_missing(tmp_path):
