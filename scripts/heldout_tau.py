@@ -1,0 +1,90 @@
+"""Teacher-forced held-out tau of exported drafters, per source prompt file, on ONE training run's held-out split.
+
+    python scripts/heldout_tau.py --split-of work/big3/train_dspark_1ep \\
+        big3_1ep=work/big3/train_dspark_1ep/drafter big2_6ep=work/big2/train_dspark_w1emb_6ep/drafter
+
+The split is --split-of's plan.json holdout_ids; the samples (features, tokens) come from the hidden-state store
+that run trained from.  jobs.train holds a sample out by a hash of its id, so runs over nested stores (a store
+resumed to more prompts) share their held-out samples and their drafters can be compared on the larger split; the
+script refuses a drafter whose own run (its parent folder's plan.json) trained on any of them.
+
+tau is the training curve's measure (pipeline.training.teacher_forced_tau: greedy, full depth, true
+predecessors, up to --blocks evenly spaced blocks per sample) on ALL held-out samples, not the curve's subset,
+computed with the exported checkpoint (the weights that are served).  Prints one row per drafter."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("drafters", nargs="+", help="LABEL=DRAFTER_FOLDER (an exported checkpoint)")
+    p.add_argument("--split-of", type=Path, required=True, help="training run folder whose held-out split is used")
+    p.add_argument("--blocks", type=int, default=64, help="blocks per sample (default: 64, as training)")
+    p.add_argument("--out", type=Path, default=None, help="also write the numbers as JSON here")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from pipeline.checkpoint import load_drafter
+    from pipeline.hidden_store import open_hidden_store
+    from pipeline.target_model import resolve_target
+    from pipeline.training import teacher_forced_tau
+
+    plan_path = a.split_of / "plan.json"
+    if not plan_path.is_file():
+        p.error(f"--split-of {a.split_of}: not a training run folder (plan.json missing)")
+    plan = json.loads(plan_path.read_text())
+    hold = sorted(plan.get("holdout_ids") or [])
+    if not hold:
+        p.error(f"{plan_path} has no held-out samples")
+    drafters = {}
+    for spec in a.drafters:
+        label, sep, path = spec.partition("=")
+        if not sep or not (Path(path) / "config.json").is_file():
+            p.error(f"expected LABEL=DRAFTER_FOLDER (with a config.json), got {spec!r}")
+        own = Path(path).parent / "plan.json"
+        if own.is_file():
+            leaked = set(json.loads(own.read_text()).get("train_ids") or []) & set(hold)
+            if leaked:
+                p.error(f"{label}: its run trained on {len(leaked)} of these held-out samples "
+                        f"(e.g. {sorted(leaked)[0]}); compare on a split it never saw")
+        drafters[label] = Path(path)
+    store = open_hidden_store("disk", plan["config"]["data"])
+    samples = {sid: store.get(sid) for sid in hold}
+    by_tag: dict[str, list[str]] = {}
+    for sid in hold:
+        by_tag.setdefault(sid.split(":")[0], []).append(sid)
+    target = resolve_target(plan.get("target"))
+    result = {}
+    tags = sorted(by_tag)
+    print(f"{len(hold)} held-out samples of {a.split_of}: " + ", ".join(f"{t} {len(by_tag[t])}" for t in tags))
+    print("drafter".ljust(24) + "".join(t[:14].rjust(15) for t in tags) + "all".rjust(9))
+    for label, path in drafters.items():
+        model = load_drafter(path, target, dtype=torch.float32)
+        per, hist_all, n_all = {}, None, 0
+        with torch.no_grad():
+            for t in tags:
+                ev = teacher_forced_tau(model, [samples[s] for s in by_tag[t]], a.blocks)
+                per[t] = ev
+                h = torch.tensor(ev["accept_hist"]) * ev["blocks"]
+                hist_all = h if hist_all is None else hist_all + h
+                n_all += ev["blocks"]
+        G = len(hist_all) - 1
+        tau_all = float(1 + (hist_all * torch.arange(G + 1)).sum() / max(n_all, 1))
+        result[label] = dict(drafter=str(path), all=dict(tau=tau_all, blocks=n_all),
+                             **{t: dict(tau=per[t]["tau"], blocks=per[t]["blocks"]) for t in tags})
+        print(label[:23].ljust(24) + "".join(f"{per[t]['tau']:15.3f}" for t in tags) + f"{tau_all:9.3f}", flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(dict(split_of=str(a.split_of), samples=len(hold), drafters=result), indent=1))
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
