@@ -21,11 +21,50 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
+    """tau of greedy speculative decoding replayed along the stored responses (they ARE the target's greedy output),
+    counted the way the engine counts it: the first response token comes from the prefill; each round drafts γ
+    tokens from the last emitted one, keeps the matching prefix (a) plus the target's bonus token and moves a + 1
+    tokens on, until max_tokens are emitted.  tau = tokens emitted by rounds / rounds, so (unlike the
+    position-averaged teacher-forced tau) easy stretches count once per round, as in a rollout."""
+    import torch
+
+    from pipeline.anchors import block_labels
+
+    G = model.cfg.block_size
+    emitted = rounds = 0
+    for s in samples:
+        ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
+        resp = mask[0].nonzero().squeeze(1)
+        if len(resp) < 2:
+            continue
+        start, end = int(resp[0]), min(int(resp[-1]) + 1, int(resp[0]) + max_tokens)  # response span to replay
+        anchors = torch.arange(start, end - 1)[None]  # a round can start at any of them
+        blk = block_labels(ids, mask, anchors, torch.ones_like(anchors, dtype=torch.bool), G)
+        h = model.forward_train(s["aux_hidden"][None], ids, anchors)
+        pred = model.draft_ids[model.block_logits(h, blk.prev).logits.argmax(-1)].view(-1, G)
+        ok = (pred == blk.labels[0]) & blk.label_mask[0].bool()
+        accepted = ok.long().cumprod(-1).sum(-1).tolist()  # [S] drafts accepted from anchor start + i
+        q = start  # last emitted token (the prefill emitted `start`)
+        while q < end - 1:
+            step = min(accepted[q - start] + 1, end - 1 - q)  # accepted drafts + bonus, cut at max_tokens
+            emitted += step
+            rounds += 1
+            q += step
+    return dict(tau=emitted / rounds if rounds else float("nan"), rounds=rounds, tokens=emitted)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("drafters", nargs="+", help="LABEL=DRAFTER_FOLDER (an exported checkpoint)")
     p.add_argument("--split-of", type=Path, required=True, help="training run folder whose held-out split is used")
     p.add_argument("--blocks", type=int, default=64, help="blocks per sample (default: 64, as training)")
+    p.add_argument("--walk-tokens", type=int, default=0,
+                   help="also replay greedy rounds over the first N response tokens of each sample and print that "
+                        "round-averaged tau (what an engine rollout of N new tokens measures); 0: off")
+    p.add_argument("--limit", type=int, default=0,
+                   help="only the held-out samples `jobs.evaluate --heldout-of SPLIT_OF --limit N` uses (N per prompt "
+                        "file, same seeded choice); 0: all of them")
     p.add_argument("--out", type=Path, default=None, help="also write the numbers as JSON here")
     a = p.parse_args(argv)
 
@@ -56,10 +95,17 @@ def main(argv=None):
                         f"(e.g. {sorted(leaked)[0]}); compare on a split it never saw")
         drafters[label] = Path(path)
     store = open_hidden_store("disk", plan["config"]["data"])
-    samples = {sid: store.get(sid) for sid in hold}
     by_tag: dict[str, list[str]] = {}
-    for sid in hold:
-        by_tag.setdefault(sid.split(":")[0], []).append(sid)
+    if a.limit:  # the very prompts `jobs.evaluate --heldout-of RUN --limit N` rolls out
+        from pipeline.evaluation import load_heldout_suites
+
+        for suite, rows in load_heldout_suites(a.split_of, None, a.limit):
+            by_tag[suite.removeprefix("heldout-")] = [r["id"] for r in rows]
+        hold = [sid for ids in by_tag.values() for sid in ids]
+    else:
+        for sid in hold:
+            by_tag.setdefault(sid.split(":")[0], []).append(sid)
+    samples = {sid: store.get(sid) for sid in hold}
     target = resolve_target(plan.get("target"))
     result = {}
     tags = sorted(by_tag)
@@ -75,11 +121,18 @@ def main(argv=None):
                 h = torch.tensor(ev["accept_hist"]) * ev["blocks"]
                 hist_all = h if hist_all is None else hist_all + h
                 n_all += ev["blocks"]
+            walk = {t: greedy_walk_tau(model, [samples[s] for s in by_tag[t]], a.walk_tokens)
+                    for t in tags} if a.walk_tokens else None
         G = len(hist_all) - 1
         tau_all = float(1 + (hist_all * torch.arange(G + 1)).sum() / max(n_all, 1))
         result[label] = dict(drafter=str(path), all=dict(tau=tau_all, blocks=n_all),
                              **{t: dict(tau=per[t]["tau"], blocks=per[t]["blocks"]) for t in tags})
         print(label[:23].ljust(24) + "".join(f"{per[t]['tau']:15.3f}" for t in tags) + f"{tau_all:9.3f}", flush=True)
+        if walk:
+            w_all = sum(w["tokens"] for w in walk.values()) / max(1, sum(w["rounds"] for w in walk.values()))
+            result[label]["walk"] = dict(tokens=a.walk_tokens, all=w_all, **{t: walk[t]["tau"] for t in tags})
+            print(f"  walk {a.walk_tokens} tokens".ljust(24) + "".join(f"{walk[t]['tau']:15.3f}" for t in tags)
+                  + f"{w_all:9.3f}", flush=True)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(dict(split_of=str(a.split_of), samples=len(hold), drafters=result), indent=1))
