@@ -21,39 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
-    """tau of greedy speculative decoding replayed along the stored responses (they ARE the target's greedy output),
-    counted the way the engine counts it: the first response token comes from the prefill; each round drafts γ
-    tokens from the last emitted one, keeps the matching prefix (a) plus the target's bonus token and moves a + 1
-    tokens on, until max_tokens are emitted.  tau = tokens emitted by rounds / rounds, so (unlike the
-    position-averaged teacher-forced tau) easy stretches count once per round, as in a rollout."""
-    import torch
-
-    from pipeline.anchors import block_labels
-
-    G = model.cfg.block_size
-    emitted = rounds = 0
-    for s in samples:
-        ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
-        resp = mask[0].nonzero().squeeze(1)
-        if len(resp) < 2:
-            continue
-        start, end = int(resp[0]), min(int(resp[-1]) + 1, int(resp[0]) + max_tokens)  # response span to replay
-        anchors = torch.arange(start, end - 1)[None]  # a round can start at any of them
-        blk = block_labels(ids, mask, anchors, torch.ones_like(anchors, dtype=torch.bool), G)
-        h = model.forward_train(s["aux_hidden"][None], ids, anchors)
-        pred = model.draft_ids[model.block_logits(h, blk.prev).logits.argmax(-1)].view(-1, G)
-        ok = (pred == blk.labels[0]) & blk.label_mask[0].bool()
-        accepted = ok.long().cumprod(-1).sum(-1).tolist()  # [S] drafts accepted from anchor start + i
-        q = start  # last emitted token (the prefill emitted `start`)
-        while q < end - 1:
-            step = min(accepted[q - start] + 1, end - 1 - q)  # accepted drafts + bonus, cut at max_tokens
-            emitted += step
-            rounds += 1
-            q += step
-    return dict(tau=emitted / rounds if rounds else float("nan"), rounds=rounds, tokens=emitted)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("drafters", nargs="+", help="LABEL=DRAFTER_FOLDER (an exported checkpoint)")
@@ -73,7 +40,7 @@ def main(argv=None):
     from pipeline.checkpoint import load_drafter
     from pipeline.hidden_store import open_hidden_store
     from pipeline.target_model import resolve_target
-    from pipeline.training import teacher_forced_tau
+    from pipeline.training import greedy_walk_tau, teacher_forced_tau
 
     plan_path = a.split_of / "plan.json"
     if not plan_path.is_file():

@@ -202,6 +202,50 @@ def test_teacher_forced_tau_equals_greedy_drafting(head):
     assert teacher_forced_tau(m, [sample], blocks_per_sample=5)["blocks"] == 5
 
 
+def test_greedy_walk_tau_replays_greedy_rounds():
+    """scripts/heldout_tau.py --walk-tokens: rounds replayed along a sequence through the training path equal greedy
+    drafting through the inference path round by round (draft from the last emitted token, keep the matching
+    prefix + the bonus token), cut at max_tokens."""
+    from pipeline.training import greedy_walk_tau
+
+    m = randomize(DSparkDrafter(tiny_cfg(draft_vocab_size=200), attn_chunk_queries=8))
+    m.set_draft_vocab(reduced_vocab_ids())
+    m.eval()
+    torch.manual_seed(5)
+    T, start = 70, 5
+    aux = torch.randn(T, 3 * D)
+    ids = m.draft_ids[torch.randint(0, 200, (T,))]
+
+    def greedy_block(p):
+        st = m.new_state()
+        m.extend_context(st, aux[:p])
+        return m.propose([st], ids[p:p + 1], SamplingParams(temperature=0.0)).tokens[0]
+
+    p, cut = start, 2
+    while p + G < T:  # plant the drafter's own greedy blocks, cut at varying slots, so rounds accept 0..γ
+        blk = greedy_block(p).clone()
+        if cut < G:
+            blk[cut] = m.draft_ids[(m.t2d[blk[cut]] + 1) % 200]
+        ids[p + 1:p + 1 + G] = blk
+        p, cut = p + cut + 1, (cut + 3) % (G + 1)
+    mask = torch.ones(T, dtype=torch.uint8)
+    mask[:start] = 0
+    sample = dict(input_ids=ids.int(), loss_mask=mask, aux_hidden=aux)
+    for max_tokens in (T, 31):
+        end = min(T, start + max_tokens)
+        q, steps = start, []
+        while q < end - 1:
+            blk = greedy_block(q)
+            n = min(G, end - 1 - q)
+            a = int((blk[:n] == ids[q + 1:q + 1 + n]).long().cumprod(0).sum())
+            steps.append(min(a + 1, end - 1 - q))
+            q += steps[-1]
+        got = greedy_walk_tau(m, [sample], max_tokens)
+        assert got["rounds"] == len(steps) and got["tokens"] == sum(steps) == end - 1 - start
+        assert len(set(steps)) >= 3  # several acceptance lengths: not a trivial walk
+        assert got["tau"] == pytest.approx(sum(steps) / len(steps))
+
+
 def test_teacher_forced_tau_sees_fused_adamw_updates():
     """Evaluating in the middle of training (pipeline.training's learning curve): after fused AdamW steps the tau
     must be the tau of the CURRENT weights, as a freshly built copy computes it (packed weight caches are dropped)."""
