@@ -157,18 +157,14 @@ def test_train_equals_inference_reduced_vocab_window_and_dflash():
     _train_vs_inference(tiny_cfg(confidence_head_with_markov=False, num_hidden_layers=1), chunk=1000)
 
 
-@pytest.mark.parametrize("head", ["vanilla", "rnn"])
-def test_teacher_forced_tau_equals_greedy_drafting(head):
-    """The learning curve's held-out tau (training path, true predecessors) equals what greedy drafting through the
-    inference path gets accepted against the sequence.  The sequence is built from the drafter's own greedy blocks,
-    each cut at a chosen slot, so acceptance lengths 0..γ all occur."""
-    from pipeline.training import teacher_forced_tau
-
+def _planted_greedy_sequence(head, seed, T, start, first_cut, next_anchor):
+    """A tiny drafter and a sequence built from its own greedy blocks: from anchor p = start on, ids[p+1 : p+1+γ] =
+    the greedy block with slot `cut` changed (cut = γ: unchanged), cut cycling by 3; the next anchor is
+    next_anchor(p, cut).  -> (model, aux [T,3D], ids [T], greedy_block(p) through the inference path)."""
     m = randomize(DSparkDrafter(tiny_cfg(markov_head_type=head, draft_vocab_size=200), attn_chunk_queries=8))
     m.set_draft_vocab(reduced_vocab_ids())
     m.eval()
-    torch.manual_seed(3)
-    T, start = 60, 6
+    torch.manual_seed(seed)
     aux = torch.randn(T, 3 * D)
     ids = m.draft_ids[torch.randint(0, 200, (T,))]
 
@@ -177,13 +173,26 @@ def test_teacher_forced_tau_equals_greedy_drafting(head):
         m.extend_context(st, aux[:p])
         return m.propose([st], ids[p:p + 1], SamplingParams(temperature=0.0)).tokens[0]
 
-    p, cut = start, 0
-    while p + G < T:  # ids[p+1 : p+1+γ] = the greedy block with slot `cut` changed (cut = γ: unchanged)
+    p, cut = start, first_cut
+    while p + G < T:
         blk = greedy_block(p).clone()
         if cut < G:
             blk[cut] = m.draft_ids[(m.t2d[blk[cut]] + 1) % 200]
         ids[p + 1:p + 1 + G] = blk
-        p, cut = p + G, (cut + 3) % (G + 1)
+        p, cut = next_anchor(p, cut), (cut + 3) % (G + 1)
+    return m, aux, ids, greedy_block
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn"])
+def test_teacher_forced_tau_equals_greedy_drafting(head):
+    """The learning curve's held-out tau (training path, true predecessors) equals what greedy drafting through the
+    inference path gets accepted against the sequence.  The sequence is built from the drafter's own greedy blocks,
+    each cut at a chosen slot, so acceptance lengths 0..γ all occur."""
+    from pipeline.training import teacher_forced_tau
+
+    T, start = 60, 6
+    m, aux, ids, greedy_block = _planted_greedy_sequence(head, seed=3, T=T, start=start, first_cut=0,
+                                                         next_anchor=lambda p, cut: p + G)
     mask = torch.ones(T, dtype=torch.uint8)
     mask[:start] = 0
     sample = dict(input_ids=ids.int(), loss_mask=mask, aux_hidden=aux)
@@ -208,26 +217,9 @@ def test_greedy_walk_tau_replays_greedy_rounds():
     prefix + the bonus token), cut at max_tokens."""
     from pipeline.training import greedy_walk_tau
 
-    m = randomize(DSparkDrafter(tiny_cfg(draft_vocab_size=200), attn_chunk_queries=8))
-    m.set_draft_vocab(reduced_vocab_ids())
-    m.eval()
-    torch.manual_seed(5)
-    T, start = 70, 5
-    aux = torch.randn(T, 3 * D)
-    ids = m.draft_ids[torch.randint(0, 200, (T,))]
-
-    def greedy_block(p):
-        st = m.new_state()
-        m.extend_context(st, aux[:p])
-        return m.propose([st], ids[p:p + 1], SamplingParams(temperature=0.0)).tokens[0]
-
-    p, cut = start, 2
-    while p + G < T:  # plant the drafter's own greedy blocks, cut at varying slots, so rounds accept 0..γ
-        blk = greedy_block(p).clone()
-        if cut < G:
-            blk[cut] = m.draft_ids[(m.t2d[blk[cut]] + 1) % 200]
-        ids[p + 1:p + 1 + G] = blk
-        p, cut = p + cut + 1, (cut + 3) % (G + 1)
+    T, start = 70, 5  # blocks planted where each greedy round starts, so rounds accept 0..γ
+    m, aux, ids, greedy_block = _planted_greedy_sequence("vanilla", seed=5, T=T, start=start, first_cut=2,
+                                                         next_anchor=lambda p, cut: p + cut + 1)
     mask = torch.ones(T, dtype=torch.uint8)
     mask[:start] = 0
     sample = dict(input_ids=ids.int(), loss_mask=mask, aux_hidden=aux)
