@@ -21,7 +21,6 @@ from pipeline.subsets import subsample
 from pipeline.target_runner import LINEAR_BACKENDS
 
 
-
 @dataclass
 class EvalConfig:
     drafter: list[str] = field(default_factory=list, metadata={

@@ -78,7 +78,8 @@ class TrainConfig:
     eval_every: int = field(default=50, metadata={
         "help": "every N steps (and at the end) rank 0 measures teacher-forced greedy acceptance length tau on the "
                 "held-out samples and logs it with the supervised positions seen (learning_curve.png); 0 = never"})
-    eval_samples: int = field(default=32, metadata={"help": "held-out samples used for that tau (at most; a fixed seeded subset)"})
+    eval_samples: int = field(default=32, metadata={
+        "help": "held-out samples used for that tau (at most; a fixed seeded subset)"})
     eval_blocks: int = field(default=64, metadata={"help": "blocks per held-out sample (evenly spaced anchors)"})
     log_every: int = field(default=5, metadata={"help": "log metrics every N steps"})
     workers: int = field(default=1, metadata={"help": "Ray Train workers (DDP over gloo)"})
@@ -303,13 +304,13 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
     return parts, n_sup, acc
 
 
-@torch.no_grad()
 def heldout_eval_ids(holdout_ids: list[str], n: int) -> list[str]:
     """The held-out samples the learning curve's tau is measured on: a fixed seeded subset of at most n (the same
     for every run over the same split), drawn from all source files, not the first n sorted ids (one file)."""
     return subsample(sorted(holdout_ids), n)
 
 
+@torch.no_grad()
 def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) -> dict:
     """Greedy acceptance length of the drafter on held-out sequences, teacher-forced and full depth.
 
