@@ -350,6 +350,7 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
     return dict(tau=tau, blocks=int(n), accept_hist=(hist / max(n, 1.0)).tolist())
 
 
+@torch.no_grad()
 def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
     """tau of greedy speculative decoding replayed along the stored responses (they ARE the target's greedy output),
     counted the way the engine counts it: the first response token comes from the prefill; each round drafts γ
@@ -364,26 +365,27 @@ def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
     was_training = model.training
     model.eval()
     forget_packed(model)
-    for s in samples:
-        ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
-        resp = mask[0].nonzero().squeeze(1)
-        if len(resp) < 2:
-            continue
-        start, end = int(resp[0]), min(int(resp[-1]) + 1, int(resp[0]) + max_tokens)  # response span to replay
-        anchors = torch.arange(start, end - 1)[None]  # a round can start at any of them
-        blk = block_labels(ids, mask, anchors, torch.ones_like(anchors, dtype=torch.bool), G)
-        with torch.no_grad():
+    try:
+        for s in samples:
+            ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
+            resp = mask[0].nonzero().squeeze(1)
+            if len(resp) < 2:
+                continue
+            start, end = int(resp[0]), min(int(resp[-1]) + 1, int(resp[0]) + max_tokens)  # response span to replay
+            anchors = torch.arange(start, end - 1)[None]  # a round can start at any of them
+            blk = block_labels(ids, mask, anchors, torch.ones_like(anchors, dtype=torch.bool), G)
             h = model.forward_train(s["aux_hidden"][None], ids, anchors)
             pred = model.draft_ids[model.block_logits(h, blk.prev).logits.argmax(-1)].view(-1, G)
-        ok = (pred == blk.labels[0]) & blk.label_mask[0].bool()
-        accepted = ok.long().cumprod(-1).sum(-1).tolist()  # [S] drafts accepted from anchor start + i
-        q = start  # last emitted token (the prefill emitted `start`)
-        while q < end - 1:
-            step = min(accepted[q - start] + 1, end - 1 - q)  # accepted drafts + bonus, cut at max_tokens
-            emitted += step
-            rounds += 1
-            q += step
-    model.train(was_training)
+            ok = (pred == blk.labels[0]) & blk.label_mask[0].bool()
+            accepted = ok.long().cumprod(-1).sum(-1).tolist()  # [S] drafts accepted from anchor start + i
+            q = start  # last emitted token (the prefill emitted `start`)
+            while q < end - 1:
+                step = min(accepted[q - start] + 1, end - 1 - q)  # accepted drafts + bonus, cut at max_tokens
+                emitted += step
+                rounds += 1
+                q += step
+    finally:
+        model.train(was_training)
     return dict(tau=emitted / rounds if rounds else float("nan"), rounds=rounds, tokens=emitted)
 
 

@@ -38,6 +38,7 @@ def main(argv=None):
     import torch
 
     from pipeline.checkpoint import load_drafter
+    from pipeline.evaluation import load_heldout_suites
     from pipeline.hidden_store import open_hidden_store
     from pipeline.target_model import resolve_target
     from pipeline.training import greedy_walk_tau, teacher_forced_tau
@@ -62,16 +63,10 @@ def main(argv=None):
                         f"(e.g. {sorted(leaked)[0]}); compare on a split it never saw")
         drafters[label] = Path(path)
     store = open_hidden_store("disk", plan["config"]["data"])
-    by_tag: dict[str, list[str]] = {}
-    if a.limit:  # the very prompts `jobs.evaluate --heldout-of RUN --limit N` rolls out
-        from pipeline.evaluation import load_heldout_suites
-
-        for suite, rows in load_heldout_suites(a.split_of, None, a.limit):
-            by_tag[suite.removeprefix("heldout-")] = [r["id"] for r in rows]
-        hold = [sid for ids in by_tag.values() for sid in ids]
-    else:
-        for sid in hold:
-            by_tag.setdefault(sid.split(":")[0], []).append(sid)
+    # grouped per prompt file (and with --limit cut) exactly as `jobs.evaluate --heldout-of` does
+    by_tag = {suite.removeprefix("heldout-"): [r["id"] for r in rows]
+              for suite, rows in load_heldout_suites(a.split_of, None, a.limit or len(hold))}
+    hold = [sid for ids in by_tag.values() for sid in ids]
     samples = {sid: store.get(sid) for sid in hold}
     target = resolve_target(plan.get("target"))
     result = {}
@@ -81,15 +76,14 @@ def main(argv=None):
     for label, path in drafters.items():
         model = load_drafter(path, target, dtype=torch.float32)
         per, hist_all, n_all = {}, None, 0
-        with torch.no_grad():
-            for t in tags:
-                ev = teacher_forced_tau(model, [samples[s] for s in by_tag[t]], a.blocks)
-                per[t] = ev
-                h = torch.tensor(ev["accept_hist"]) * ev["blocks"]
-                hist_all = h if hist_all is None else hist_all + h
-                n_all += ev["blocks"]
-            walk = {t: greedy_walk_tau(model, [samples[s] for s in by_tag[t]], a.walk_tokens)
-                    for t in tags} if a.walk_tokens else None
+        for t in tags:
+            ev = teacher_forced_tau(model, [samples[s] for s in by_tag[t]], a.blocks)
+            per[t] = ev
+            h = torch.tensor(ev["accept_hist"]) * ev["blocks"]
+            hist_all = h if hist_all is None else hist_all + h
+            n_all += ev["blocks"]
+        walk = {t: greedy_walk_tau(model, [samples[s] for s in by_tag[t]], a.walk_tokens)
+                for t in tags} if a.walk_tokens else None
         G = len(hist_all) - 1
         tau_all = float(1 + (hist_all * torch.arange(G + 1)).sum() / max(n_all, 1))
         result[label] = dict(drafter=str(path), all=dict(tau=tau_all, blocks=n_all),
