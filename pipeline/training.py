@@ -81,6 +81,10 @@ class TrainConfig:
     eval_samples: int = field(default=32, metadata={
         "help": "held-out samples used for that tau (at most; a fixed seeded subset)"})
     eval_blocks: int = field(default=64, metadata={"help": "blocks per held-out sample (evenly spaced anchors)"})
+    eval_walk_tokens: int = field(default=128, metadata={
+        "help": "also replay greedy speculative rounds along the first N response tokens of those samples and log "
+                "that tau (tokens per round, as an engine rollout counts it; the teacher-forced tau averages over "
+                "positions and flatters a drafter that is good only where drafting is easy); 0 = off"})
     log_every: int = field(default=5, metadata={"help": "log metrics every N steps"})
     workers: int = field(default=1, metadata={"help": "Ray Train workers (DDP over gloo)"})
     cpus_per_worker: int = field(default=2, metadata={"help": "CPUs (torch threads) per worker"})
@@ -99,7 +103,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        for name in ("feature_noise", "weight_decay", "grad_clip"):
+        for name in ("feature_noise", "weight_decay", "grad_clip", "eval_walk_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.holdout_frac < 1:
@@ -517,13 +521,18 @@ def train_loop_per_worker(config: dict):
                 hold_samples = hold_samples or [store.get(i) for i in hold_ids]
                 ev = teacher_forced_tau(model, hold_samples, cfg.eval_blocks)
                 row |= dict(heldout_tau=ev["tau"], heldout_blocks=ev["blocks"], heldout_accept_hist=ev["accept_hist"])
+                if cfg.eval_walk_tokens:
+                    walk = greedy_walk_tau(model, hold_samples, cfg.eval_walk_tokens)
+                    row |= dict(heldout_walk_tau=walk["tau"], heldout_walk_rounds=walk["rounds"])
             t_last, pos_since = time.time(), 0
             if rank == 0:
                 append_metrics(metrics_path, row)
                 print(f"[train] step {done}/{total} loss {parts['loss']:.4f} "
                       + " ".join(f"{k} {v:.4f}" for k, v in parts.items() if k != "loss")
                       + f" | {row['positions_per_s']:.0f} pos/s lr {row['lr']:.2e}"
-                      + (f" | held-out tau {row['heldout_tau']:.3f}" if "heldout_tau" in row else ""), flush=True)
+                      + (f" | held-out tau {row['heldout_tau']:.3f}" if "heldout_tau" in row else "")
+                      + (f" (replayed {row['heldout_walk_tau']:.3f})" if "heldout_walk_tau" in row else ""),
+                      flush=True)
         else:
             row = dict(step=done, loss=parts["loss"])
         if is_ckpt:
@@ -579,21 +588,24 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def read_learning_curve(metrics_path: Path) -> list[tuple[int, float]]:
+def read_learning_curve(metrics_path: Path, key: str = "heldout_tau") -> list[tuple[int, float]]:
     """[(supervised positions seen, held-out tau)] of a run's metrics.jsonl, by step (a resumed run's rows for the
-    same step replace the earlier ones)."""
+    same step replace the earlier ones).  key: heldout_tau (teacher-forced, averaged over positions) or
+    heldout_walk_tau (greedy rounds replayed along the responses, tokens per round as the engine counts)."""
     rows = {}
     for line in Path(metrics_path).read_text().splitlines():
         r = json.loads(line)
-        if "heldout_tau" in r and "positions_seen" in r and not math.isnan(r["heldout_tau"]):
-            rows[r["step"]] = (int(r["positions_seen"]), float(r["heldout_tau"]))
+        if key in r and "positions_seen" in r and not math.isnan(r[key]):
+            rows[r["step"]] = (int(r["positions_seen"]), float(r[key]))
     return [rows[k] for k in sorted(rows)]
 
 
 def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = None) -> bool:
-    """Held-out teacher-forced greedy tau against supervised positions seen, one line per run {label: metrics.jsonl}.
-    Returns False (no file written) when no run has held-out evaluations."""
+    """Held-out greedy tau against supervised positions seen, one colour per run {label: metrics.jsonl}: the
+    teacher-forced tau solid, the replayed rounds' tau (where logged) dashed.  Returns False (no file written) when
+    no run has held-out evaluations."""
     curves = {k: read_learning_curve(v) for k, v in runs.items()}
+    walks = {k: read_learning_curve(v, "heldout_walk_tau") for k, v in runs.items()}
     curves = {k: c for k, c in curves.items() if c}
     if not curves:
         return False
@@ -604,9 +616,12 @@ def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = N
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for label, c in curves.items():
-        ax.plot([x for x, _ in c], [y for _, y in c], marker="o", ms=3, label=label)
+        line, = ax.plot([x for x, _ in c], [y for _, y in c], marker="o", ms=3, label=f"{label} (teacher-forced)")
+        if walks[label]:
+            ax.plot([x for x, _ in walks[label]], [y for _, y in walks[label]], marker="o", ms=3, ls="--",
+                    color=line.get_color(), label=f"{label} (replayed rounds)")
     ax.set_xlabel("supervised positions seen")
-    ax.set_ylabel("held-out greedy tau (teacher-forced, depth gamma)")
+    ax.set_ylabel("held-out greedy tau (depth gamma)")
     ax.set_title(title or "learning curve")
     ax.grid(alpha=0.3)
     ax.legend()

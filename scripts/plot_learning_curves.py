@@ -4,7 +4,8 @@
         --out docs/results/learning_curve_446.png
 
 Each argument is LABEL=RUN (a jobs.train --out folder or its metrics.jsonl); runs must have been trained with
---eval-every > 0 (the default).  Prints the curve points too."""
+--eval-every > 0 (the default).  Prints the curve points too: teacher-forced tau, and the replayed rounds' tau
+(dashed in the plot) for runs trained with --eval-walk-tokens > 0 (the default since session 13)."""
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ def main(argv=None):
         if not runs[label].is_file():
             p.error(f"{label}: no metrics file at {runs[label]}")
     for label, path in runs.items():
-        pts = read_learning_curve(path)
-        print(f"{label}: " + ", ".join(f"{x / 1e6:.3f}M -> {t:.3f}" for x, t in pts))
+        pts, walk = read_learning_curve(path), dict(read_learning_curve(path, "heldout_walk_tau"))
+        print(f"{label}: " + ", ".join(f"{x / 1e6:.3f}M -> {t:.3f}" + (f" (replayed {walk[x]:.3f})" if x in walk else "")
+                                       for x, t in pts))
     if not plot_learning_curves(runs, a.out, a.title):
         raise SystemExit("no run has held-out tau rows (train with --eval-every > 0)")
     print(f"wrote {a.out}")

@@ -79,6 +79,12 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     curve_b = read_learning_curve(tmp_path / "b" / "metrics.jsonl")
     assert [x for x, _ in curve_b] == [x for x, _ in curve_a]
     assert [t for _, t in curve_b] == pytest.approx([t for _, t in curve_a])
+    # ... and next to it the replayed rounds' tau (--eval-walk-tokens, default 128), resumed exactly too
+    walk_a = read_learning_curve(tmp_path / "a" / "metrics.jsonl", "heldout_walk_tau")
+    walk_b = read_learning_curve(tmp_path / "b" / "metrics.jsonl", "heldout_walk_tau")
+    assert [x for x, _ in walk_a] == [x for x, _ in curve_a] and all(1.0 <= tau <= 8.0 for _, tau in walk_a)
+    assert [x for x, _ in walk_b] == [x for x, _ in walk_a]
+    assert [t for _, t in walk_b] == pytest.approx([t for _, t in walk_a])
     assert (tmp_path / "a" / "learning_curve.png").is_file()
     # the exported drafter loads against its target
     from pipeline.checkpoint import load_drafter
