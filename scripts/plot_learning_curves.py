@@ -33,9 +33,10 @@ def main(argv=None):
         if not runs[label].is_file():
             p.error(f"{label}: no metrics file at {runs[label]}")
     for label, path in runs.items():
-        pts, walk = read_learning_curve(path), dict(read_learning_curve(path, "heldout_walk_tau"))
-        print(f"{label}: " + ", ".join(f"{x / 1e6:.3f}M -> {t:.3f}" + (f" (replayed {walk[x]:.3f})" if x in walk else "")
-                                       for x, t in pts))
+        walk = dict(read_learning_curve(path, "heldout_walk_tau"))  # {positions seen: replayed tau}
+        points = [f"{x / 1e6:.3f}M -> {t:.3f}" + (f" (replayed {walk[x]:.3f})" if x in walk else "")
+                  for x, t in read_learning_curve(path)]
+        print(f"{label}: " + ", ".join(points))
     if not plot_learning_curves(runs, a.out, a.title):
         raise SystemExit("no run has held-out tau rows (train with --eval-every > 0)")
     print(f"wrote {a.out}")
