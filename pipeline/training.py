@@ -19,6 +19,7 @@ import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -314,6 +315,21 @@ def heldout_eval_ids(holdout_ids: list[str], n: int) -> list[str]:
     return subsample(sorted(holdout_ids), n)
 
 
+@contextmanager
+def evaluating(model):
+    """Measure a drafter in the middle of training: eval mode, its packed weight copies dropped (the fused AdamW steps
+    since the last measurement did not bump the weights' version counters), its training mode restored after."""
+    from pipeline.packed_linear import forget_packed
+
+    was_training = model.training
+    model.eval()
+    forget_packed(model)
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) -> dict:
     """Greedy acceptance length of the drafter on held-out sequences, teacher-forced and full depth.
@@ -325,14 +341,10 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
     target generated greedily (jobs.generate's default) that is the greedy verification tau at depth γ.
     -> dict(tau, blocks, accept_hist [γ+1]: fraction of blocks accepting exactly j drafts)."""
     from pipeline.anchors import anchor_candidates, block_labels
-    from pipeline.packed_linear import forget_packed
 
     G = model.cfg.block_size
-    was_training = model.training
-    model.eval()
-    forget_packed(model)  # the fused AdamW steps since the last call did not bump the weights' version counters
     hist = torch.zeros(G + 1)
-    try:
+    with evaluating(model):
         for s in samples:
             ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
             cand = anchor_candidates(mask)[0].nonzero().squeeze(1)  # [C]
@@ -347,8 +359,6 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
             pred = model.draft_ids[logits.argmax(-1)].view(-1, G)  # target ids
             accepted = (pred == blk.labels[0, keep]).long().cumprod(-1).sum(-1)  # [S]
             hist += torch.bincount(accepted, minlength=G + 1).float()
-    finally:
-        model.train(was_training)
     n = float(hist.sum())
     tau = float(1.0 + (hist * torch.arange(G + 1)).sum() / n) if n else float("nan")
     return dict(tau=tau, blocks=int(n), accept_hist=(hist / max(n, 1.0)).tolist())
@@ -362,14 +372,10 @@ def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
     tokens on, until max_tokens are emitted.  tau = tokens emitted by rounds / rounds, so (unlike the
     position-averaged teacher-forced tau) easy stretches count once per round, as in a rollout."""
     from pipeline.anchors import block_labels
-    from pipeline.packed_linear import forget_packed
 
     G = model.cfg.block_size
     emitted = rounds = 0
-    was_training = model.training
-    model.eval()
-    forget_packed(model)
-    try:
+    with evaluating(model):
         for s in samples:
             ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
             resp = mask[0].nonzero().squeeze(1)
@@ -388,8 +394,6 @@ def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
                 emitted += step
                 rounds += 1
                 q += step
-    finally:
-        model.train(was_training)
     return dict(tau=emitted / rounds if rounds else float("nan"), rounds=rounds, tokens=emitted)
 
 
