@@ -48,6 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     p.add_argument("--requests-per-level", type=int, default=None,
                    help="requests per concurrency level (default: max(4, 2 x concurrency))")
+    p.add_argument("--prompts", nargs="+", type=Path, default=None, metavar="JSONL",
+                   help="prompt files (benchmark / train-prompt JSONL, first user turn, e.g. ../shared/data/eval/"
+                        "gsm8k.jsonl); requests cycle through them in order (default: 8 short built-in chat prompts)")
+    p.add_argument("--prompt-limit", type=int, default=64,
+                   help="with --prompts: at most this many prompts, a seeded subsample across the files")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--gamma", type=int, default=None, help="γ for fixed / cap for the load-aware scheduler")
@@ -64,6 +69,25 @@ def parse_args(argv=None):
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--out", type=Path, default=None, help="output folder (default: <work>/load_test)")
     return p.parse_args(argv)
+
+
+def load_prompts(args) -> list[str]:
+    """The texts the clients send: --prompts files (first user turn, seeded subsample) or the built-in PROMPTS."""
+    if not args.prompts:
+        return list(PROMPTS)
+    from pipeline.prompts import read_prompt_files
+    from pipeline.subsets import subsample
+
+    for f in args.prompts:
+        if not f.is_file():
+            raise SystemExit(f"--prompts: no such file: {f}")
+    rows, skips = read_prompt_files(args.prompts)
+    for sk in skips:
+        print(f"[load_test] skipped {sk.request_id}: {sk.reason}", flush=True)
+    texts = [r.text for r in subsample(rows, args.prompt_limit)]
+    if not texts:
+        raise SystemExit(f"--prompts: no usable prompt in {', '.join(map(str, args.prompts))}")
+    return texts
 
 
 def random_drafter(target: str, out: Path) -> str:
@@ -118,7 +142,7 @@ async def run_level(url: str, model: str, c: int, n: int, args, deadline: float)
 
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(n):
-        queue.put_nowait(PROMPTS[i % len(PROMPTS)])
+        queue.put_nowait(args.prompt_texts[i % len(args.prompt_texts)])
     results = []
 
     async def worker(client):
@@ -198,7 +222,8 @@ async def soak(url: str, model: str, app: str, args) -> dict:
         k = i
         while time.time() < end:
             try:
-                results.append(await one_request(client, url, model, PROMPTS[k % len(PROMPTS)], args))
+                prompt = args.prompt_texts[k % len(args.prompt_texts)]
+                results.append(await one_request(client, url, model, prompt, args))
             except Exception as e:
                 results.append({"error": f"{type(e).__name__}: {e}"})
             k += args.soak_clients
@@ -240,6 +265,7 @@ def plot_soak(res: dict, png: Path) -> None:
 def main(argv=None):
     args = parse_args(argv)
     apply_env()
+    args.prompt_texts = load_prompts(args)
     from pipeline.runtime import init_ray, work_dir
     from pipeline.target_model import resolve_target
 
