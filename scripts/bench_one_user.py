@@ -9,7 +9,12 @@ after one warm-up pass:
 Prints tokens/s per system, the ratio load-aware / no-spec, and the engine timers (drafting time, skipped drafting
 rounds).  Compare with `scripts/load_test.py --systems none hardware --concurrency 1` (through Serve and HTTP).
 
+--batch N: N requests at once - one engine batch (engine level), N concurrent streams into the replica (replica
+level): the load test's concurrency N without Serve; --prompts takes real benchmark prompts like load_test.py does.
+
     .venv/bin/python scripts/bench_one_user.py --drafter work/gpu/train_dspark/drafter --passes 3
+    .venv/bin/python scripts/bench_one_user.py --drafter DIR --level engine --batch 16 \
+        --prompts ../shared/data/eval/gsm8k.jsonl --prompt-limit 32 --max-tokens 64 --passes 2
 """
 from __future__ import annotations
 
@@ -32,22 +37,33 @@ def parse_args(argv=None):
     p.add_argument("--passes", type=int, default=3, help="measured passes over the prompts (after one warm-up)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
-    return p.parse_args(argv)
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests at once: one engine batch / concurrent replica streams")
+    p.add_argument("--prompts", nargs="+", type=Path, default=None, metavar="JSONL",
+                   help="prompt files as in load_test.py (default: its 8 built-in chat prompts)")
+    p.add_argument("--prompt-limit", type=int, default=64, help="with --prompts: at most this many (seeded subsample)")
+    args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error(f"--batch must be >= 1, got {args.batch}")
+    return args
 
 
-def load_test_prompts() -> list[str]:
+def load_test_prompts(args) -> list[str]:
+    """The load test's prompts: its --prompts files or its built-in chat prompts (scripts/load_test.load_prompts)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("load_test", Path(__file__).with_name("load_test.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return list(mod.PROMPTS)
+    return mod.load_prompts(args)
 
 
-def interleaved(run_one, names, prompts, passes):
+def interleaved(run_one, names, prompts, passes, after_warmup=lambda: None):
     """run_one(name, prompt_ids) -> tokens; returns {name: (tokens, seconds)} over the measured passes."""
     tot = {n: [0, 0.0] for n in names}
     for p in range(passes + 1):
+        if p == 1:
+            after_warmup()
         for i, ids in enumerate(prompts):
             for n in (names if (p + i) % 2 == 0 else names[::-1]):
                 t0 = time.perf_counter()
@@ -77,13 +93,24 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     target = str(resolve_target(args.target))
     tok = AutoTokenizer.from_pretrained(target)
-    prompts = [chat_prompt_ids(tok, p) for p in load_test_prompts()]
+    prompts = [chat_prompt_ids(tok, p) for p in load_test_prompts(args)]
+    if args.batch > 1:  # one unit of work = a batch of --batch prompts (cycling through the list)
+        prompts = [[prompts[(i + j) % len(prompts)] for j in range(args.batch)]
+                   for i in range(0, len(prompts), args.batch)]
     names = ["none", "hardware"]
 
-    def timers(engine):
-        t = engine.timers
-        return dict(steps=t.steps, skipped_drafts=t.skipped_drafts, draft_s=round(t.draft_s, 2),
-                    target_s=round(t.target_s, 2), total_s=round(t.total_s, 2))
+    keys = ("steps", "skipped_drafts", "draft_s", "schedule_s", "target_s", "verify_s", "total_s")
+    start = {}  # engine timers when the measured passes begin (the warm-up pass is left out)
+
+    def snapshot(engines):
+        def f():
+            start.update({n: {k: getattr(e.timers, k) for k in keys} for n, e in engines.items()})
+        return f
+
+    def timers(n, engine):
+        t = {k: getattr(engine.timers, k) - start.get(n, {}).get(k, 0) for k in keys}
+        t["overhead_s"] = t["total_s"] - t["draft_s"] - t["schedule_s"] - t["target_s"] - t["verify_s"]
+        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items()}
 
     if "engine" in args.level:
         from pipeline.checkpoint import load_drafter
@@ -101,16 +128,21 @@ def main(argv=None):
         spec = SpecConfig(method=d.cfg.kind, scheduler=make_load_aware_scheduler("hardware", cost))
         engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos),
                    "hardware": SpeculativeEngine(runner, d, spec, tokenizer=tok, eos_token_ids=eos)}
-        tot = interleaved(lambda n, ids: len(engines[n].generate([ids], SamplingParams(temperature=0.0),
-                                                                 max_tokens=args.max_tokens)[0].output_ids),
-                          names, prompts, args.passes)
-        report("engine", tot, {n: timers(e) for n, e in engines.items()})
+        def run_one(n, ids):
+            batch = ids if args.batch > 1 else [ids]
+            outs = engines[n].generate(batch, SamplingParams(temperature=0.0), max_tokens=args.max_tokens)
+            return sum(len(o.output_ids) for o in outs)
+
+        tot = interleaved(run_one, names, prompts, args.passes, snapshot(engines))
+        report("engine", tot, {n: timers(n, e) for n, e in engines.items()})
 
     if "replica" in args.level:
         from serve_app.replica import EngineReplica
 
-        reps = {"none": EngineReplica(dict(target=target, scheduler="none", threads=args.threads)),
-                "hardware": EngineReplica(dict(target=target, drafter=args.drafter, scheduler="hardware",
+        mb = max(8, args.batch)  # the replica's default max_batch, or room for all the streams
+
+        reps = {"none": EngineReplica(dict(target=target, scheduler="none", threads=args.threads, max_batch=mb)),
+                "hardware": EngineReplica(dict(target=target, drafter=args.drafter, scheduler="hardware", max_batch=mb,
                                                threads=args.threads))}
         loop = asyncio.new_event_loop()
 
@@ -120,8 +152,12 @@ def main(argv=None):
                 k += len(ev.get("token_ids", []))
             return k
 
-        tot = interleaved(lambda n, ids: loop.run_until_complete(one(n, ids)), names, prompts, args.passes)
-        report("replica", tot, {n: timers(r.engine) for n, r in reps.items()})
+        async def streams(n, ids):
+            return sum(await asyncio.gather(*(one(n, x) for x in (ids if args.batch > 1 else [ids]))))
+
+        tot = interleaved(lambda n, ids: loop.run_until_complete(streams(n, ids)), names, prompts, args.passes,
+                          snapshot({n: r.engine for n, r in reps.items()}))
+        report("replica", tot, {n: timers(n, r.engine) for n, r in reps.items()})
 
 
 if __name__ == "__main__":
