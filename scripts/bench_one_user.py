@@ -128,6 +128,7 @@ def main(argv=None):
         spec = SpecConfig(method=d.cfg.kind, scheduler=make_load_aware_scheduler("hardware", cost))
         engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos),
                    "hardware": SpeculativeEngine(runner, d, spec, tokenizer=tok, eos_token_ids=eos)}
+
         def run_one(n, ids):
             batch = ids if args.batch > 1 else [ids]
             outs = engines[n].generate(batch, SamplingParams(temperature=0.0), max_tokens=args.max_tokens)
@@ -140,7 +141,6 @@ def main(argv=None):
         from serve_app.replica import EngineReplica
 
         mb = max(8, args.batch)  # the replica's default max_batch, or room for all the streams
-
         reps = {"none": EngineReplica(dict(target=target, scheduler="none", threads=args.threads, max_batch=mb)),
                 "hardware": EngineReplica(dict(target=target, drafter=args.drafter, scheduler="hardware", max_batch=mb,
                                                threads=args.threads))}

@@ -75,6 +75,8 @@ def load_prompts(args) -> list[str]:
     """The texts the clients send: --prompts files (first user turn, seeded subsample) or the built-in PROMPTS."""
     if not args.prompts:
         return list(PROMPTS)
+    if args.prompt_limit < 1:
+        raise SystemExit(f"--prompt-limit must be >= 1, got {args.prompt_limit}")
     from pipeline.prompts import read_prompt_files
     from pipeline.subsets import subsample
 
