@@ -58,16 +58,17 @@ def load_test_prompts(args) -> list[str]:
     return mod.load_prompts(args)
 
 
-def interleaved(run_one, names, prompts, passes, after_warmup=lambda: None):
-    """run_one(name, prompt_ids) -> tokens; returns {name: (tokens, seconds)} over the measured passes."""
+def interleaved(run_one, names, units, passes, after_warmup=lambda: None):
+    """run_one(name, unit) -> tokens, a unit being a batch of prompt ids; returns {name: (tokens, seconds)} over the
+    measured passes; after_warmup() runs once, before the first measured pass."""
     tot = {n: [0, 0.0] for n in names}
     for p in range(passes + 1):
         if p == 1:
             after_warmup()
-        for i, ids in enumerate(prompts):
+        for i, unit in enumerate(units):
             for n in (names if (p + i) % 2 == 0 else names[::-1]):
                 t0 = time.perf_counter()
-                k = run_one(n, ids)
+                k = run_one(n, unit)
                 if p:
                     tot[n][0] += k
                     tot[n][1] += time.perf_counter() - t0
@@ -94,22 +95,17 @@ def main(argv=None):
     target = str(resolve_target(args.target))
     tok = AutoTokenizer.from_pretrained(target)
     prompts = [chat_prompt_ids(tok, p) for p in load_test_prompts(args)]
-    if args.batch > 1:  # one unit of work = a batch of --batch prompts (cycling through the list)
-        prompts = [[prompts[(i + j) % len(prompts)] for j in range(args.batch)]
-                   for i in range(0, len(prompts), args.batch)]
+    # one unit of work = --batch prompts at once (cycling through the list); --batch 1: one prompt per unit
+    batches = [[prompts[(i + j) % len(prompts)] for j in range(args.batch)] for i in range(0, len(prompts), args.batch)]
     names = ["none", "hardware"]
 
-    keys = ("steps", "skipped_drafts", "draft_s", "schedule_s", "target_s", "verify_s", "total_s")
-    start = {}  # engine timers when the measured passes begin (the warm-up pass is left out)
+    start = {}  # EngineTimers.to_dict() when the measured passes begin (the warm-up pass is left out)
 
     def snapshot(engines):
-        def f():
-            start.update({n: {k: getattr(e.timers, k) for k in keys} for n, e in engines.items()})
-        return f
+        return lambda: start.update({n: e.timers.to_dict() for n, e in engines.items()})
 
     def timers(n, engine):
-        t = {k: getattr(engine.timers, k) - start.get(n, {}).get(k, 0) for k in keys}
-        t["overhead_s"] = t["total_s"] - t["draft_s"] - t["schedule_s"] - t["target_s"] - t["verify_s"]
+        t = {k: v - start.get(n, {}).get(k, 0) for k, v in engine.timers.to_dict().items()}
         return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items()}
 
     if "engine" in args.level:
@@ -129,12 +125,11 @@ def main(argv=None):
         engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos),
                    "hardware": SpeculativeEngine(runner, d, spec, tokenizer=tok, eos_token_ids=eos)}
 
-        def run_one(n, ids):
-            batch = ids if args.batch > 1 else [ids]
+        def run_one(n, batch):
             outs = engines[n].generate(batch, SamplingParams(temperature=0.0), max_tokens=args.max_tokens)
             return sum(len(o.output_ids) for o in outs)
 
-        tot = interleaved(run_one, names, prompts, args.passes, snapshot(engines))
+        tot = interleaved(run_one, names, batches, args.passes, snapshot(engines))
         report("engine", tot, {n: timers(n, e) for n, e in engines.items()})
 
     if "replica" in args.level:
@@ -152,10 +147,10 @@ def main(argv=None):
                 k += len(ev.get("token_ids", []))
             return k
 
-        async def streams(n, ids):
-            return sum(await asyncio.gather(*(one(n, x) for x in (ids if args.batch > 1 else [ids]))))
+        async def streams(n, batch):
+            return sum(await asyncio.gather(*(one(n, ids) for ids in batch)))
 
-        tot = interleaved(lambda n, ids: loop.run_until_complete(streams(n, ids)), names, prompts, args.passes,
+        tot = interleaved(lambda n, batch: loop.run_until_complete(streams(n, batch)), names, batches, args.passes,
                           snapshot({n: r.engine for n, r in reps.items()}))
         report("replica", tot, {n: timers(n, r.engine) for n, r in reps.items()})
 

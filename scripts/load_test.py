@@ -80,10 +80,10 @@ def load_prompts(args) -> list[str]:
     from pipeline.prompts import read_prompt_files
     from pipeline.subsets import subsample
 
-    for f in args.prompts:
-        if not f.is_file():
-            raise SystemExit(f"--prompts: no such file: {f}")
-    rows, skips = read_prompt_files(args.prompts)
+    try:
+        rows, skips = read_prompt_files(args.prompts)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--prompts: {e}") from None
     for sk in skips:
         print(f"[load_test] skipped {sk.request_id}: {sk.reason}", flush=True)
     texts = [r.text for r in subsample(rows, args.prompt_limit)]
