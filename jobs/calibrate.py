@@ -1,4 +1,4 @@
-"""Stage 4 - calibrate the drafter's confidence head with Sequential Temperature Scaling (DSPARK.md §4).
+"""Stage 4 - calibrate the drafter's confidence head with Sequential Temperature Scaling (docs/dspark.md §4).
 
 Rolls out the real speculative engine (fixed full-length verification, raw confidences) on the training run's
 held-out prompts, fits one temperature per position left to right (grid search on the ECE of the cumulative

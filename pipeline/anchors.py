@@ -1,4 +1,4 @@
-"""Anchor sampling and block labels for teacher-forced training (DSPARK.md §5).
+"""Anchor sampling and block labels for teacher-forced training (docs/dspark.md §5).
 
 * candidate anchor: position p with loss_mask[p] = loss_mask[p+1] = 1 (p+1 inside the sequence);
 * up to `num_anchors` per sequence, uniformly without replacement, redrawn on every visit (pass a torch.Generator),

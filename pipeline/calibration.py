@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling of the confidence head (DSPARK.md §4), on rounds rolled out by the real engine.
+"""Sequential Temperature Scaling of the confidence head (docs/dspark.md §4), on rounds rolled out by the real engine.
 
 1. Roll out speculative decoding on HELD-OUT prompts (the training plan's hold-out split) with the drafter's RAW
    confidences and fixed full-length verification (depth γ, no truncation): each round gives logits z_{n,1..γ} and
@@ -94,7 +94,7 @@ def heldout_rows(train_dir: Path, responses: Path | None = None) -> list[tuple[s
 
 def full_length_rounds(rounds, gamma: int) -> tuple[list, list]:
     """Engine round records -> (confidence logits, prefix labels) of the rounds verified at full depth γ only
-    (truncated rounds would bias the labels; DSPARK.md §4).  Label k is 1 iff drafts 1..k were all accepted."""
+    (truncated rounds would bias the labels; docs/dspark.md §4).  Label k is 1 iff drafts 1..k were all accepted."""
     z, y = [], []
     for rd in rounds:
         if rd["conf"] is not None and rd["L"] == gamma:

@@ -1,4 +1,4 @@
-"""Export / load a drafter as a speculators-format folder (docs: /work/shared/docs/CHECKPOINT_FORMAT.md).
+"""Export / load a drafter as a speculators-format folder (docs: docs/checkpoint_format.md).
 
     <folder>/config.json         speculators config ("speculators_model_type": "dspark", no top-level model_type)
     <folder>/model.safetensors   fc, hidden_norm, layers.N.*, norm, markov_head.*, confidence_head.proj.* (fp32),
@@ -180,7 +180,7 @@ def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str = "", veri
 
 
 def checkpoint_tensors(drafter: DSparkDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The tensors of the exported checkpoint (names per CHECKPOINT_FORMAT.md §3)."""
+    """The tensors of the exported checkpoint (names per docs/checkpoint_format.md §3)."""
     cfg = drafter.cfg
     out = {}
     head = drafter.markov_head

@@ -1,4 +1,4 @@
-"""Confidence head, its soft label, and Sequential Temperature Scaling (DSPARK.md §4).
+"""Confidence head, its soft label, and Sequential Temperature Scaling (docs/dspark.md §4).
 
     c_k = σ(w·[h_k; W1[x_{k-1}]] + b)          `confidence_head.proj`, Linear(d + r -> 1), kept in fp32
     soft label  c*_k = clamp(1 - ½‖p_d,k - p_t,k‖₁, 0, 1), detached

@@ -1,4 +1,4 @@
-"""DSparkDrafter: the parallel block drafter (DFlash-style backbone, DSPARK.md §2) + Markov head (§3) + confidence
+"""DSparkDrafter: the parallel block drafter (DFlash-style backbone, docs/dspark.md §2) + Markov head (§3) + confidence
 head (§4).  One set of modules, two paths:
 
   (a) training, teacher-forced, all anchors at once:

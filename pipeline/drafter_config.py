@@ -1,4 +1,4 @@
-"""DrafterConfig: every shape and switch of a DSpark / DFlash drafter (DSPARK.md §1-§4).
+"""DrafterConfig: every shape and switch of a DSpark / DFlash drafter (docs/dspark.md §1-§4).
 
 Layer-id convention (project-wide, vLLM's `aux_hidden_state_layer_ids`): id k is the target's residual stream after
 k decoder layers -- 0 = embedding output, L = output of the last layer BEFORE the final norm.  DeepSpec's ids are
@@ -60,7 +60,7 @@ class DrafterConfig:
     max_position_embeddings: int = 32768
     draft_vocab_size: int | None = None  # V_d; None or == V -> full vocabulary
     block_size: int = 7  # γ: slot k-1 predicts x_k, k = 1..γ
-    # --- sequential stage / confidence (DSPARK.md §3-§4) --------------------------------------------------------
+    # --- sequential stage / confidence (docs/dspark.md §3-§4) --------------------------------------------------------
     kind: str = "dspark"  # 'dspark' | 'dflash'
     markov_rank: int = 256  # r; 0 = no Markov head (DFlash)
     markov_head_type: str = "vanilla"  # 'vanilla' | 'gated' | 'rnn'

@@ -1,7 +1,7 @@
 """SpeculativeEngine: batched speculative decoding with a DSpark / DFlash drafter (or none) over a TargetRunner.
 
 One ``step()`` = one round for every active request:
-  1. new requests are prefilled (their first token is sampled from the target, DSPARK.md §6.1) -- in the same target
+  1. new requests are prefilled (their first token is sampled from the target, docs/dspark.md §6.1) -- in the same target
      forward as the others' verification;
   2. the drafter proposes γ drafts for every decoding request from its anchor (the last emitted token, the only
      emitted token not yet in the target's KV cache);
@@ -77,7 +77,7 @@ class SpecConfig:
 
 @dataclass
 class RequestStats:
-    """Per-request speculation statistics (DSPARK.md §6 / §9).  A 'round' is one verification after the prefill."""
+    """Per-request speculation statistics (docs/dspark.md §6 / §9).  A 'round' is one verification after the prefill."""
 
     gamma: int = 0
     rounds: int = 0

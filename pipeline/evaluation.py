@@ -1,5 +1,5 @@
 """Offline evaluation: acceptance length τ, per-position acceptance, confidence calibration and speed, for one or
-more drafters and the no-speculation baseline, measured side by side in one run (DSPARK.md §6, §9).
+more drafters and the no-speculation baseline, measured side by side in one run (docs/dspark.md §6, §9).
 
 Every prompt is run by every system in turn (baseline(s), drafter A, drafter B, ...) as a single stream, so
 machine noise hits all systems alike; wall times are summed per system and speed is reported as a ratio to the

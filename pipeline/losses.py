@@ -1,4 +1,4 @@
-"""Training losses (DSPARK.md §4-§5).
+"""Training losses (docs/dspark.md §4-§5).
 
 DSpark: 0.1·CE + 0.9·L1 + 1.0·BCE(conf);  DFlash: 1.0·CE.   Each term is a position-weighted mean
 Σ w_k·x / Σ w_k over supervised slots, w_k = exp(-(k-1)/decay) (decay 4.0 as the reference code, or "gamma" = γ as

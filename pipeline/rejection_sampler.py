@@ -1,7 +1,7 @@
 """Verification of draft blocks against the target: greedy exact match, token-wise speculative sampling (standard) and
 block verification (Sun et al. 2024, vLLM ``rejection_sample_method: block``).
 
-Conventions (one round of one request, DSPARK.md §6):
+Conventions (one round of one request, docs/dspark.md §6):
 * the target scored ``[x_0, x_1..x_L]`` and gives L+1 logits rows; row k is p_t(. | x_{<=k}), so rows 0..L-1 judge the
   drafts x_1..x_L and row L is the bonus distribution;
 * the drafter gives the tokens x_1..x_L as TARGET ids and q_k over its draft vocabulary together with ``draft_ids``
@@ -25,7 +25,7 @@ import torch
 
 from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
 
-RESIDUAL_EPS = 1e-9  # residual mass below this -> fall back to p (DSPARK.md §6)
+RESIDUAL_EPS = 1e-9  # residual mass below this -> fall back to p (docs/dspark.md §6)
 METHODS = ("standard", "block")
 
 
@@ -67,7 +67,7 @@ def _target_to_draft(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def token_wise_verify(p: torch.Tensor, q_full: torch.Tensor, x: Sequence[int], u_accept: Sequence[float],
                       u_final: float) -> tuple[int, int]:
-    """Reference token-wise speculative sampling for ONE request (DSPARK.md §6).
+    """Reference token-wise speculative sampling for ONE request (docs/dspark.md §6).
 
     p [L+1, V] target probs, q_full [L, V] draft probs (full vocab), x the L drafts.  Accept x_k iff
     u_k < min(1, p_k(x_k) / q_k(x_k)); on the first reject sample normalize(max(p - q, 0)) (p when the residual mass is

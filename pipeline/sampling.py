@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-GREEDY_EPS = 1e-5  # temperature below this means greedy (argmax), as in DSPARK.md §3
+GREEDY_EPS = 1e-5  # temperature below this means greedy (argmax), as in docs/dspark.md §3
 
 
 @dataclass(frozen=True)

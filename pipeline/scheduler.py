@@ -1,4 +1,4 @@
-"""Verification-depth schedulers (DSPARK.md §6.3, §7) and the SPS(B) cost table.
+"""Verification-depth schedulers (docs/dspark.md §6.3, §7) and the SPS(B) cost table.
 
 Every scheduler maps one round's drafts to a depth L_r in {0..max_depth_r} per request: how many of the γ drafts the
 target verifies (the round then costs L_r + 1 target tokens).  Inputs are the drafter's confidence LOGITS z_{r,k}
@@ -8,7 +8,7 @@ target verifies (the round then costs L_r + 1 target tokens).  Inputs are the dr
 Losslessness: with token-wise (or block) verification, a depth rule is lossless iff the event "x_{r,j} is verified"
 depends only on x_{r,<j} (the confidence c_{r,j} is computed from x_{r,j-1}, never from x_{r,j}).  FixedDepth,
 StaticThreshold, HardwareAwarePrefix (thanks to the early stop) and AsyncCapacity satisfy it; the look-ahead /
-no-break search (``HardwareAwarePrefix(early_stop=False)``) does not -- DSPARK.md Appendix A, see tests/test_scheduler.py.
+no-break search (``HardwareAwarePrefix(early_stop=False)``) does not -- docs/dspark.md Appendix A, see tests/test_scheduler.py.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class CostTable:
 
 # ----------------------------------------------------------------------------------------------------- helpers
 def calibrated_confidence(conf_logits: torch.Tensor, temperatures: Sequence[float] | None = None) -> torch.Tensor:
-    """c_k = σ(z_k / T_k) in float64 (STS, DSPARK.md §4); T = 1 where not given."""
+    """c_k = σ(z_k / T_k) in float64 (STS, docs/dspark.md §4); T = 1 where not given."""
     z = conf_logits.double()
     if temperatures is not None:
         T = torch.ones(z.shape[-1], dtype=torch.float64)
@@ -298,7 +298,7 @@ class StaticThreshold(VerificationScheduler):
 
 
 class OnlineCalibration:
-    """Realised acceptance vs predicted survival, per depth position, over recent rounds (DSPARK.md §4 calibrates
+    """Realised acceptance vs predicted survival, per depth position, over recent rounds (docs/dspark.md §4 calibrates
     the confidence head offline, on held-out training data; live traffic can differ, and an over-confident head makes
     Algorithm 1 verify drafts that are then rejected).
 
@@ -446,7 +446,7 @@ class _SharedHardware:
 
 
 class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
-    """DSPARK.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising Θ (the
+    """docs/dspark.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising Θ (the
     round's tokens per second, see _SharedHardware), with the early stop (first non-improving candidate ends the
     search).  early_stop=False gives the look-ahead variant, kept only to demonstrate that it is NOT lossless.
     refresh_every=1 turns the drafting back-off off (draft every round)."""
@@ -478,7 +478,7 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
 
 
 class AsyncCapacity(_SharedHardware, VerificationScheduler):
-    """DSPARK.md §7 production adaptation: the capacity (total verify tokens B_cap) comes from the UNCONSTRAINED
+    """docs/dspark.md §7 production adaptation: the capacity (total verify tokens B_cap) comes from the UNCONSTRAINED
     (no-break) search on confidences from ``lag`` rounds earlier; this round admits the top-(B_cap - R) candidates
     ranked by their CURRENT survival a_{r,j} (ties -> smaller j, so each request keeps a prefix).
 

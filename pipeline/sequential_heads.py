@@ -1,4 +1,4 @@
-"""Sequential (Markov) logit-bias heads of DSpark (DSPARK.md §3).
+"""Sequential (Markov) logit-bias heads of DSpark (docs/dspark.md §3).
 
 Step-k logits are g_k = U_k + bias_k, where U_k = lm_head(h_k) are the parallel backbone's base logits and bias_k
 depends on the previous token x_{k-1} (x_0 = the anchor).  Every head factors into a cheap rank-r *latent*
@@ -26,7 +26,7 @@ Two paths over the same parameters:
     its γ steps, vectorised over everything else).  `bias = project(latent)`; the trainer projects only the rows it
     supervises.
   * `step(prev [B], h_k [B, d], state) -> (bias [B, V_d], state)`: one inference step.  The RNN CARRIES its state
-    (DeepSpec's `compute_step_bias` restarts from zero -- DSPARK.md §10.11 -- which is wrong).
+    (DeepSpec's `compute_step_bias` restarts from zero -- docs/dspark.md §10.11 -- which is wrong).
 
 `NoHead` (markov_rank = 0) is the DFlash baseline: `bias`/`step` return None.
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-EVAL_SEED = 980406  # DeepSpec's subsampling seed (DSPARK.md §9)
+EVAL_SEED = 980406  # DeepSpec's subsampling seed (docs/dspark.md §9)
 
 
 def subsample(rows: list, limit: int) -> list:

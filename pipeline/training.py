@@ -2,7 +2,7 @@
 
 Read top to bottom: open the hidden-state store -> build the drafter from the target -> AdamW + warmup/cosine ->
 for each step: fetch this rank's sequences (prefetched), draw anchors, compute the loss of every sequence against
-one GLOBAL weight sum (Σw over all sequences of the step on all ranks, DSPARK.md §5), backward, all-reduce the
+one GLOBAL weight sum (Σw over all sequences of the step on all ranks, docs/dspark.md §5), backward, all-reduce the
 gradients (DDP-equivalent: one flat all-reduce per step), clip, step -> log, checkpoint via ray.train.report.
 
 Determinism: the data order of an epoch comes from (seed, epoch) and a step's anchors from (seed, rank, step), so a

@@ -5,7 +5,7 @@
 
 Each argument is LABEL=RUN (a jobs.train --out folder or its metrics.jsonl); runs must have been trained with
 --eval-every > 0 (the default).  Prints the curve points too: teacher-forced tau, and the replayed rounds' tau
-(dashed in the plot) for runs trained with --eval-walk-tokens > 0 (the default since session 13)."""
+(dashed in the plot) for runs trained with --eval-walk-tokens > 0."""
 from __future__ import annotations
 
 import argparse

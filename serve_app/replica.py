@@ -17,7 +17,7 @@ Continuous batching
 Verification-depth policy (schedulers)
   * ``none``: no speculation (plain batched autoregressive decoding; the drafter is not loaded).
   * ``fixed``: verify min(γ, remaining) drafts every round (γ = ``gamma``, default: the drafter's block size).
-  * ``hardware``: DSPARK.md §7 Algorithm 1 (greedy prefix admission with the early stop) on this replica's SPS(B)
+  * ``hardware``: docs/dspark.md §7 Algorithm 1 (greedy prefix admission with the early stop) on this replica's SPS(B)
     table; ``async``: the production variant (capacity from the unconstrained search two rounds earlier).
   * SPS(B) is profiled once at replica start (``CostTable.profile``, bounded batch sizes) and cached at
     ``<work>/cache/sps-<hash>.json`` (hash of target, dtype, device, threads, profile settings, torch version); a file
@@ -39,7 +39,7 @@ Verification-depth policy (schedulers)
     (Merely shifting SPS by B_0 without τ_0 would LOWER the bar on a concave SPS curve -- Δt/t(B) falls with B --
     see tests/test_serve.py.)  ``token_budget`` (optional) caps this replica's target tokens per forward.  B_0, τ_0
     and the cap are fixed BEFORE a round's drafts exist and the early stop is kept, so the depth rule stays
-    lossless (DSPARK.md §7: whether x_j is verified depends only on x_<j).  ``async`` uses the same objective for its
+    lossless (docs/dspark.md §7: whether x_j is verified depends only on x_<j).  ``async`` uses the same objective for its
     lagged, unconstrained capacity search.
   * ``fixed`` and ``none`` ignore the load (baselines).
 

@@ -1,5 +1,5 @@
 """Interop of our exported checkpoint (pipeline.checkpoint.export_checkpoint) with the two consumers of the format
-(/work/shared/docs/CHECKPOINT_FORMAT.md), on CPU with tiny random models:
+(docs/checkpoint_format.md), on CPU with tiny random models:
 
 1. speculators 0.9.0: `SpeculatorModel.from_pretrained(dir)` loads it (tensors bit-equal, verifier-owned weights
    re-attached from the local target folder) and its `DSparkDraftModel` gives the same per-slot block hidden states,

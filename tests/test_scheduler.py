@@ -1,4 +1,4 @@
-"""Verification-depth schedulers and the SPS cost table (DSPARK.md §6.3, §7, Appendix A)."""
+"""Verification-depth schedulers and the SPS cost table (docs/dspark.md §6.3, §7, Appendix A)."""
 from __future__ import annotations
 
 import math
@@ -90,7 +90,7 @@ def test_fixed_depth_and_static_threshold():
 
 # ------------------------------------------------------------------------------------------------ Algorithm 1
 def algorithm1_reference(c, sps, max_depth):
-    """DSPARK.md §7, written out literally (python floats, no shortcuts)."""
+    """docs/dspark.md §7, written out literally (python floats, no shortcuts)."""
     R = len(c)
     a = [[0.0] * len(c[0]) for _ in range(R)]
     for r in range(R):

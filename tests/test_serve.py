@@ -40,7 +40,7 @@ def test_cluster_load_makes_verification_shallower():
     from pipeline.scheduler import CostTable, greedy_prefix_search, survival
     from serve_app.replica import make_load_aware_scheduler
 
-    # the measured fp32 curve of ENVIRONMENT.md (seconds for B tokens)
+    # the measured fp32 curve of docs/environment.md (seconds for B tokens)
     table = CostTable({1: 0.0426, 2: 0.0508, 4: 0.0805, 8: 0.0921, 16: 0.0995, 32: 0.1327, 64: 0.1894})
     for c in (0.9, 0.7):
         conf = torch.logit(torch.tensor([[c, c - 0.05, c - 0.1, c - 0.2, c - 0.3, c - 0.4, c - 0.5]] * 4,

@@ -1,4 +1,4 @@
-"""Confidence calibration: ECE / AUROC / Brier and Sequential Temperature Scaling (DSPARK.md §4)."""
+"""Confidence calibration: ECE / AUROC / Brier and Sequential Temperature Scaling (docs/dspark.md §4)."""
 import pytest
 import torch
 
