@@ -18,7 +18,7 @@ import torch
 
 from actors.vllm_engine import ACTOR_MEMORY_HELP, actor_memory_request, actor_runtime_env, build_llm
 from pipeline.placement import INFERENCE, role_resources
-from pipeline.hidden_store import bytes_per_token, full_vocab_lse, tensor_from_bytes, tensor_to_bytes
+from pipeline.stores.base import bytes_per_token, full_vocab_lse, tensor_from_bytes, tensor_to_bytes
 
 _IN_SCHEMA = pa.schema([("request_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.uint8()))])
@@ -96,7 +96,7 @@ class VLLMExtractor:
         self.norm_w, self.eps = _final_norm(target)
         self.lm_head = None
         if target_lse:
-            from pipeline.checkpoint import load_target_weights
+            from pipeline.target_weights import load_target_weights
 
             self.lm_head = load_target_weights(target).lm_head.float()
         if kind == "vllm":
@@ -173,7 +173,7 @@ def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tenso
 
 def open_store(cfg: ExtractConfig, endpoint=None):
     """The store named by the config (disk folder, or Mooncake at ``endpoint``)."""
-    from pipeline.hidden_store import open_hidden_store
+    from pipeline.stores import open_hidden_store
 
     return open_hidden_store(cfg.store, cfg.out, cfg.mooncake_prefix, endpoint)
 

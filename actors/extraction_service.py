@@ -3,7 +3,7 @@
 A pool of Ray actors, each holding a vLLM extractor (or the transformers fallback) and a Mooncake client, takes
 sample requests (token ids + loss mask), runs the target, puts the tensors into the Mooncake store and answers with
 the sample's key.  Consumers (training workers) fetch by key from any process through
-``pipeline.mooncake_store.MooncakeHiddenStore(prefix, endpoint).get(key)``: the hidden-state cache never has to
+``pipeline.stores.mooncake.MooncakeHiddenStore(prefix, endpoint).get(key)``: the hidden-state cache never has to
 exist whole on disk.
 
     service = ExtractionService(target, layer_ids, endpoint, prefix="online/run1", num_workers=2)
@@ -23,7 +23,7 @@ from pipeline.placement import INFERENCE, role_resources
 class _ExtractionWorker:
     def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, endpoint: dict,
                  prefix: str, kind: str):
-        from pipeline.mooncake_store import MooncakeHiddenStore
+        from pipeline.stores.mooncake import MooncakeHiddenStore
 
         self.extractor = VLLMExtractor(target, layer_ids, n_layers, max_model_len, kind=kind)
         self.store = MooncakeHiddenStore(prefix, endpoint)

@@ -5,7 +5,7 @@ in it disappear.  A writer process that puts hidden states and exits would there
 :class:`MooncakeMaster` starts, next to the master, a long-lived *segment server* (the ``mooncake_client`` binary
 shipped in the same wheel) that mounts ``segment_bytes`` of memory; writers and readers then open stores that
 contribute no memory of their own (``global_segment_size=0``, the default of
-:class:`pipeline.mooncake_store.MooncakeHiddenStore`) and their data outlives them.
+:class:`pipeline.stores.mooncake.MooncakeHiddenStore`) and their data outlives them.
 
     with MooncakeMaster(segment_bytes=2 << 30) as master:       # free loopback ports, waits until ready
         ep = master.endpoint                                    # MooncakeEndpoint: plain strings, picklable
@@ -48,7 +48,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.mooncake_store import ENV_MASTER_ADDR, ENV_METADATA_URL
+from pipeline.stores.mooncake import ENV_MASTER_ADDR, ENV_METADATA_URL
 from pipeline.runtime import LOOPBACK, apply_env, work_dir
 
 MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments

@@ -11,7 +11,7 @@ from pipeline.runtime import apply_env, reexec_for_process_env
 
 def main(argv=None):
     apply_env()
-    from pipeline.calibration import CalibrateConfig, run_calibration
+    from pipeline.sts_rollouts import CalibrateConfig, run_calibration
     from pipeline.config_cli import parse_config
 
     cfg = parse_config(CalibrateConfig, argv, description=__doc__)

@@ -14,7 +14,7 @@ One ``step()`` = one round for every active request:
 Requests may join (``add_request``) or leave (``abort``) between steps.  Without a drafter the same loop is the
 plain autoregressive baseline (depth 0, one token per request per forward).
 
-Drafter contract (pipeline/drafter.py): ``new_state()``, ``extend_context(state, aux_hidden [n, n_aux*d],
+Drafter contract (pipeline/dspark/drafter.py): ``new_state()``, ``extend_context(state, aux_hidden [n, n_aux*d],
 start_pos)``, ``propose(states, anchors LongTensor[B], params, generator) -> DraftProposal(tokens [B, γ] target ids,
 q [B, γ, V_d] fp32, conf_logits [B, γ] | None, draft_ids [V_d])``, ``config`` (or nn.Module ``cfg``) with
 ``block_size`` and ``aux_layer_ids``; optional ``extend_contexts`` (batched) and ``free_state(state)``.
@@ -51,7 +51,7 @@ class SpecConfig:
     confidence_threshold: float = 0.0  # StaticThreshold θ
     cost_table: CostTable | str | None = None  # SPS(B) for 'hardware' / 'async' (object or JSON path)
     # per-position STS temperatures applied by the scheduler -- ONLY for drafters that return raw confidence logits
-    # (pipeline.drafter.DSparkDrafter applies its config's sts_temperatures itself: leave None there)
+    # (pipeline.dspark.drafter.DSparkDrafter applies its config's sts_temperatures itself: leave None there)
     sts_temperatures: list | None = None
     async_lag: int = 2
     seed: int = 0  # engine RNG for requests without their own seed
@@ -176,7 +176,7 @@ class EngineTimers:
 
 def _load_drafter(spec: SpecConfig, target):
     """spec.model (an exported drafter folder) -> drafter, re-attached to the target's frozen embedding / LM head."""
-    from pipeline.checkpoint import load_drafter
+    from pipeline.dspark.checkpoint import load_drafter
 
     source = getattr(target, "source", None)
     if source is None:
@@ -444,7 +444,7 @@ class SpeculativeEngine:
 
     def _flush_context(self, reqs: Sequence[_Request]) -> None:
         """Append every request's pending verified tokens to its drafter context: one batched pass with
-        ``extend_contexts`` (pipeline.drafter.DSparkDrafter; a request's rounds concatenated), else one
+        ``extend_contexts`` (pipeline.dspark.drafter.DSparkDrafter; a request's rounds concatenated), else one
         ``extend_context`` call per round in order."""
         todo = [r for r in reqs if r.pending_ctx]
         for r in todo:

@@ -94,7 +94,7 @@ def load_benchmark(path: Path, tokenizer, limit: int) -> list[dict]:
 def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> list[tuple[str, list[dict]]]:
     """A training run's held-out prompts as evaluation suites, one per source prompt file (request ids are
     "<file tag>:<line>"), each subsampled like a benchmark file: [("heldout-<tag>", [{id, prompt_ids}])]."""
-    from pipeline.calibration import heldout_rows
+    from pipeline.sts_rollouts import heldout_rows
 
     by_tag: dict[str, list[dict]] = {}
     for rid, ids in heldout_rows(train_dir, responses):
@@ -126,8 +126,8 @@ def summarize(records: list[dict], gamma: int) -> dict:
 
 
 def confidence_metrics(records: list[dict], gamma: int) -> dict:
-    from pipeline.calibration import full_length_rounds
-    from pipeline.confidence_head import calibration_report
+    from pipeline.sts_rollouts import full_length_rounds
+    from pipeline.dspark.calibration import calibration_report
 
     z, y = full_length_rounds([rd for r in records for rd in r["rounds"]], gamma)
     if len(z) < 2:
@@ -141,7 +141,7 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     from transformers import AutoTokenizer
     from tqdm import tqdm
 
-    from pipeline.checkpoint import load_drafter
+    from pipeline.dspark.checkpoint import load_drafter
     from pipeline.engine import SpeculativeEngine, SpecConfig
     from pipeline.prompts import DEFAULT_PROMPTS
     from pipeline.runtime import resolve_device, torch_threads
@@ -266,7 +266,7 @@ def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipeline.calibration import full_length_rounds
+    from pipeline.sts_rollouts import full_length_rounds
 
     fig, ax = plt.subplots(figsize=(4.5, 4.2))
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from pipeline.dspark.calibration import OnlineCalibration, calibrated_confidence
+
 SCHEDULERS = ("fixed", "threshold", "hardware", "async")
 
 
@@ -107,17 +109,6 @@ class CostTable:
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
-def calibrated_confidence(conf_logits: torch.Tensor, temperatures: Sequence[float] | None = None) -> torch.Tensor:
-    """c_k = σ(z_k / T_k) in float64 (STS, docs/dspark.md §4); T = 1 where not given."""
-    z = conf_logits.double()
-    if temperatures is not None:
-        T = torch.ones(z.shape[-1], dtype=torch.float64)
-        t = torch.as_tensor(list(temperatures)[:z.shape[-1]], dtype=torch.float64)
-        T[:t.numel()] = t
-        z = z / T.to(z.device)
-    return torch.sigmoid(z)
-
-
 def survival(conf: torch.Tensor, max_depth: Sequence[int]) -> torch.Tensor:
     """a_{r,j} = prod_{i<=j} c_{r,i}, zeroed beyond each request's max depth.  [R, γ] float64."""
     a = conf.double().cumprod(-1)
@@ -295,55 +286,6 @@ class StaticThreshold(VerificationScheduler):
             return [int(m) for m in max_depth]
         ok = (torch.sigmoid(conf_logits.double()) >= self.theta).long().cumprod(-1).sum(-1).tolist()
         return [min(int(o), int(m)) for o, m in zip(ok, max_depth)]
-
-
-class OnlineCalibration:
-    """Realised acceptance vs predicted survival, per depth position, over recent rounds (docs/dspark.md §4 calibrates
-    the confidence head offline, on held-out training data; live traffic can differ, and an over-confident head makes
-    Algorithm 1 verify drafts that are then rejected).
-
-    After each round the engine reports, per drafted request, how many drafts were verified (L) and accepted (m).
-    For every position j <= L the scheduler had predicted survival a_j; the realised event is m >= j.  With
-    exponentially decayed sums P_j (predicted) and A_j (realised) and a prior of ``prior`` pseudo-rounds at ratio 1,
-    the correction is ρ_j = (A_j + prior) / (P_j + prior) and the scheduler uses a'_j = min(1, ρ_j · a_j), made
-    non-increasing in j.  ρ comes from past rounds only, so the depth rule stays lossless.
-    """
-
-    def __init__(self, decay: float = 0.98, prior: float = 4.0):
-        self.decay, self.prior = float(decay), float(prior)
-        self.pred = torch.zeros(0, dtype=torch.float64)  # grows to γ on first use
-        self.real = torch.zeros(0, dtype=torch.float64)
-
-    def _grow(self, g: int):
-        if self.pred.numel() < g:
-            pad = torch.zeros(g - self.pred.numel(), dtype=torch.float64)
-            self.pred, self.real = torch.cat([self.pred, pad]), torch.cat([self.real, pad.clone()])
-
-    def ratio(self, g: int) -> torch.Tensor:
-        self._grow(g)
-        return ((self.real + self.prior) / (self.pred + self.prior))[:g]
-
-    def apply(self, a: torch.Tensor) -> torch.Tensor:
-        """a [R, γ] survival -> corrected survival (same zeros beyond each request's max depth)."""
-        if a.numel() == 0:
-            return a
-        rho = self.ratio(a.shape[-1]).to(a.device)
-        out = (a.double() * rho).clamp(max=1.0)
-        return torch.cummin(out, dim=-1).values
-
-    def observe(self, a: torch.Tensor, verified: Sequence[int], accepted: Sequence[int]) -> None:
-        """a [R, γ] the survival the round was scheduled with; verified L_r, accepted m_r per row."""
-        g = a.shape[-1]
-        self._grow(g)
-        j = torch.arange(1, g + 1)
-        L = torch.as_tensor(list(verified), dtype=torch.long)[:, None]
-        m = torch.as_tensor(list(accepted), dtype=torch.long)[:, None]
-        seen = (j[None, :] <= L).double()
-        self.pred[:g] = self.decay * self.pred[:g] + (a.double().cpu() * seen).sum(0)
-        self.real[:g] = self.decay * self.real[:g] + ((j[None, :] <= m).double() * seen).sum(0)
-
-    def to_dict(self) -> dict:
-        return {"ratio": [round(float(x), 4) for x in self.ratio(self.pred.numel())]}
 
 
 class _SharedHardware:

@@ -98,8 +98,8 @@ def num_layers(target_dir: Path) -> int:
 
 
 def default_aux_layer_ids(n_layers: int, n: int = 3) -> list[int]:
-    """DFlash's rule (docs/dspark.md §1) in our id convention; one implementation, in pipeline.drafter_config."""
-    from pipeline.drafter_config import dflash_layer_ids
+    """DFlash's rule (docs/dspark.md §1) in our id convention; one implementation, in pipeline.dspark.config."""
+    from pipeline.dspark.config import dflash_layer_ids
 
     return dflash_layer_ids(n_layers, n)
 

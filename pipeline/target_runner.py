@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import packed_linear as pl
+from pipeline.layers import apply_rope, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -105,19 +106,6 @@ class TargetOutput:
 
 class _Layer:
     __slots__ = ("ln1", "qkv", "q_norm", "k_norm", "o", "ln2", "gate_up", "down", "window")
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # transformers' LlamaRMSNorm, bit for bit: fp32 statistics, cast back, then scale.
-    dt = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(dt)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 class TargetRunner:
@@ -458,16 +446,16 @@ class TargetRunner:
             aux_out[0] = x
         gqa = H != KVH
         for li, ly in enumerate(self.layers):
-            h = _rms_norm(x, ly.ln1, eps)
+            h = rms_norm(x, ly.ln1, eps)
             qkv = ly.qkv(h)
             q = qkv[:, :H * hd].view(N, H, hd)
             k = qkv[:, H * hd:(H + KVH) * hd].view(N, KVH, hd)
             v = qkv[:, (H + KVH) * hd:].view(N, KVH, hd)
             if ly.q_norm is not None:
-                q = _rms_norm(q, ly.q_norm, eps)
-                k = _rms_norm(k, ly.k_norm, eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                q = rms_norm(q, ly.q_norm, eps)
+                k = rms_norm(k, ly.k_norm, eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[slot_t, pos_t] = k
             vc[slot_t, pos_t] = v
@@ -500,7 +488,7 @@ class TargetRunner:
                 if ragged:
                     att = att[pad_t]
             x = x + ly.o(att)
-            h = _rms_norm(x, ly.ln2, eps)
+            h = rms_norm(x, ly.ln2, eps)
             gu = ly.gate_up(h)
             I = gu.shape[-1] // 2
             x = x + ly.down(F.silu(gu[:, :I]) * gu[:, I:])
@@ -509,8 +497,8 @@ class TargetRunner:
 
         if M:
             hl = x if (M == N and not ragged and out_rows == list(range(N))) else x[rows_t]
-            hl = _rms_norm(hl.to(self.head_dtype), self.norm_head, eps) if self.head_dtype != self.dtype else \
-                _rms_norm(hl, self.norm, eps)
+            hl = rms_norm(hl.to(self.head_dtype), self.norm_head, eps) if self.head_dtype != self.dtype else \
+                rms_norm(hl, self.norm, eps)
             logits = self.lm_head(hl).float()
         else:
             logits = x.new_zeros(0, c.vocab_size, dtype=torch.float32)

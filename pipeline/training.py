@@ -116,7 +116,7 @@ class TrainConfig:
 
 # ---- data -------------------------------------------------------------------------------------------------------
 def open_store(cfg: TrainConfig):
-    from pipeline.hidden_store import open_hidden_store
+    from pipeline.stores import open_hidden_store
 
     return open_hidden_store(cfg.store, cfg.data, cfg.mooncake_prefix, master_addr=cfg.mooncake_master,
                              metadata_url=cfg.mooncake_metadata)
@@ -158,14 +158,14 @@ def step_sample_ids(ids: list[str], step: int, seqs_per_step: int, world: int, r
 
 def count_tokens_in_store(store, ids: list[str], vocab_size: int) -> torch.Tensor:
     """Counts of target ids over the supervised (loss-mask) tokens of the given samples."""
-    from pipeline.disk_store import DiskHiddenStore
-    from pipeline.draft_vocab import count_tokens
+    from pipeline.stores.disk import DiskHiddenStore
+    from pipeline.dspark.draft_vocab import count_tokens
 
     def pairs():  # (input_ids [T], loss_mask [T]) of each wanted sample
         if isinstance(store, DiskHiddenStore):  # column read: no hidden states loaded
             import pyarrow.parquet as pq
 
-            from pipeline.hidden_store import tensor_from_bytes
+            from pipeline.stores.base import tensor_from_bytes
 
             want = set(ids)
             for p in store.shards.shard_paths():
@@ -185,7 +185,7 @@ def count_tokens_in_store(store, ids: list[str], vocab_size: int) -> torch.Tenso
 def build_drafter_config(cfg: TrainConfig, target: Path, layer_ids: list[int], draft_vocab_size: int):
     from transformers import AutoConfig
 
-    from pipeline.drafter_config import DrafterConfig
+    from pipeline.dspark.config import DrafterConfig
 
     hf = AutoConfig.from_pretrained(str(target))
     extra = (dict(markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head, markov_w1_source=cfg.markov_w1)
@@ -228,7 +228,7 @@ def collate(samples: list[dict], blocks: list, need_target: bool, device=None) -
     """Right-pad store samples (and their per-sample Blocks) into one batch.  Padding is never read: a block at
     anchor p attends to context positions < p only, and labels / target statistics are gathered at supervised
     positions only.  -> dict(aux [B,T,n·d], ids [B,T], last [B,T,d] | None, lse [B,T] | None, blocks [B,S,γ])."""
-    from pipeline.anchors import Blocks
+    from pipeline.dspark.anchors import Blocks
 
     T = max(int(s["input_ids"].shape[0]) for s in samples)
 
@@ -256,8 +256,8 @@ def step_seed(seed: int, rank: int, step: int, purpose: str = "") -> int:
 def step_blocks(samples: list[dict], num_anchors: int, block_size: int, decay, seed: int, rank: int, step: int):
     """This rank's anchors and block labels for `step`, drawn from (seed, rank, step) so a resumed run draws the same,
     and their local weight sum Σw (all-reduce it across ranks for the step's global denominator)."""
-    from pipeline.anchors import make_blocks
-    from pipeline.losses import weight_sum
+    from pipeline.dspark.anchors import make_blocks
+    from pipeline.dspark.losses import weight_sum
 
     gen = torch.Generator().manual_seed(step_seed(seed, rank, step))
     blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], num_anchors, block_size, gen) for s in samples]
@@ -282,7 +282,7 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
     same for any micro_batch.  feature_noise > 0: the injected features get noise (`noisy_features`) drawn from
     `noise_seed`, so a resumed run draws the same.  -> (loss parts summed, supervised positions, per-position
     accuracy · count)."""
-    from pipeline.losses import drafter_loss
+    from pipeline.dspark.losses import drafter_loss
 
     need_target = target_head is not None
     todo = [(s, b) for s, b in zip(samples, blocks) if b.num_supervised > 0]
@@ -340,7 +340,7 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
     verified against this sequence; tau = 1 + mean accepted (the +1 is the target's bonus token).  On responses the
     target generated greedily (jobs.generate's default) that is the greedy verification tau at depth γ.
     -> dict(tau, blocks, accept_hist [γ+1]: fraction of blocks accepting exactly j drafts)."""
-    from pipeline.anchors import anchor_candidates, block_labels
+    from pipeline.dspark.anchors import anchor_candidates, block_labels
 
     G = model.cfg.block_size
     hist = torch.zeros(G + 1)
@@ -371,7 +371,7 @@ def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
     tokens from the last emitted one, keeps the matching prefix (a) plus the target's bonus token and moves a + 1
     tokens on, until max_tokens are emitted.  tau = tokens emitted by rounds / rounds, so (unlike the
     position-averaged teacher-forced tau) easy stretches count once per round, as in a rollout."""
-    from pipeline.anchors import block_labels
+    from pipeline.dspark.anchors import block_labels
 
     G = model.cfg.block_size
     emitted = rounds = 0
@@ -431,8 +431,8 @@ def train_loop_per_worker(config: dict):
 
     quiet_ray_train_reports()
 
-    from pipeline.drafter import DSparkDrafter
-    from pipeline.losses import LossConfig, TargetHead
+    from pipeline.dspark.drafter import DSparkDrafter
+    from pipeline.dspark.losses import LossConfig, TargetHead
 
     cfg = TrainConfig(**{k: (Path(v) if k in ("data", "out") else v) for k, v in config["train"].items()})
     ctx = ray.train.get_context()
@@ -455,7 +455,7 @@ def train_loop_per_worker(config: dict):
     need_target = loss_cfg.dist_weight > 0 or loss_cfg.conf_weight > 0
     target_head = None
     if need_target:
-        from pipeline.checkpoint import load_target_weights
+        from pipeline.target_weights import load_target_weights
 
         target_head = TargetHead(load_target_weights(target).lm_head, model.draft_ids)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)  # fused: ~7x faster on CPU
@@ -559,7 +559,7 @@ def train_loop_per_worker(config: dict):
             break
     pool.shutdown()
     if rank == 0 and done == total:
-        from pipeline.checkpoint import export_checkpoint
+        from pipeline.dspark.checkpoint import export_checkpoint
 
         path = export_checkpoint(model, Path(cfg.out) / "drafter", verifier_name_or_path=str(target))
         print(f"[train] exported drafter checkpoint to {path}")
@@ -664,7 +664,7 @@ def special_token_ids(target: Path, V: int) -> list[int]:
 
 def plan(cfg: TrainConfig) -> dict:
     """Driver side: ids, split, draft vocabulary, step count -> the per-worker config dict."""
-    from pipeline.draft_vocab import build_draft_vocab
+    from pipeline.dspark.draft_vocab import build_draft_vocab
     from pipeline.target_model import resolve_target
 
     target = resolve_target(cfg.target)

@@ -26,12 +26,12 @@ PARTS = ("draft.block_forward", "draft.sequential_loop", "draft.confidence")
 
 
 def build_drafter(args, target):
-    from pipeline.checkpoint import load_drafter
+    from pipeline.dspark.checkpoint import load_drafter
 
     if args.drafter:
         return load_drafter(args.drafter, str(target))
-    from pipeline.checkpoint import load_target_weights
-    from pipeline.drafter import DSparkDrafter
+    from pipeline.target_weights import load_target_weights
+    from pipeline.dspark.drafter import DSparkDrafter
     from pipeline.target_model import default_aux_layer_ids
     from pipeline.training import TrainConfig, build_drafter_config
 

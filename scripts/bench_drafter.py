@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from pipeline.anchors import make_blocks  # noqa: E402
-from pipeline.drafter import DSparkDrafter  # noqa: E402
-from pipeline.drafter_config import DrafterConfig  # noqa: E402
-from pipeline.losses import LossConfig, TargetHead, drafter_loss  # noqa: E402
+from pipeline.dspark.anchors import make_blocks  # noqa: E402
+from pipeline.dspark.drafter import DSparkDrafter  # noqa: E402
+from pipeline.dspark.config import DrafterConfig  # noqa: E402
+from pipeline.dspark.losses import LossConfig, TargetHead, drafter_loss  # noqa: E402
 from pipeline.sampling import SamplingParams  # noqa: E402
 
 SMOL = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,

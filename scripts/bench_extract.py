@@ -34,7 +34,7 @@ def main():
     import pyarrow as pa
 
     from actors.extraction import _IN_SCHEMA, VLLMExtractor
-    from pipeline.hidden_store import bytes_per_token
+    from pipeline.stores.base import bytes_per_token
     from pipeline.target_model import num_layers, resolve_target
 
     target = str(resolve_target(args.target))

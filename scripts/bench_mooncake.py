@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from actors.mooncake_master import MooncakeMaster
-    from pipeline.mooncake_store import MooncakeHiddenStore
+    from pipeline.stores.mooncake import MooncakeHiddenStore
 
     T, d, n = args.tokens, args.hidden, args.aux_layers
     g = torch.Generator().manual_seed(0)

@@ -109,7 +109,7 @@ def main(argv=None):
         return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items()}
 
     if "engine" in args.level:
-        from pipeline.checkpoint import load_drafter
+        from pipeline.dspark.checkpoint import load_drafter
         from pipeline.engine import SpecConfig, SpeculativeEngine
         from pipeline.prompts import end_of_turn_ids
         from pipeline.sampling import SamplingParams

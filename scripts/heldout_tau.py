@@ -37,9 +37,9 @@ def main(argv=None):
 
     import torch
 
-    from pipeline.checkpoint import load_drafter
+    from pipeline.dspark.checkpoint import load_drafter
     from pipeline.evaluation import load_heldout_suites
-    from pipeline.hidden_store import open_hidden_store
+    from pipeline.stores import open_hidden_store
     from pipeline.target_model import resolve_target
     from pipeline.training import greedy_walk_tau, teacher_forced_tau
 

@@ -96,9 +96,9 @@ def random_drafter(target: str, out: Path) -> str:
     import torch
     from transformers import AutoConfig
 
-    from pipeline.checkpoint import export_checkpoint
-    from pipeline.drafter import DSparkDrafter
-    from pipeline.drafter_config import DrafterConfig
+    from pipeline.dspark.checkpoint import export_checkpoint
+    from pipeline.dspark.drafter import DSparkDrafter
+    from pipeline.dspark.config import DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target), num_hidden_layers=1,

@@ -30,9 +30,9 @@ def main():
     from pipeline.runtime import apply_env
 
     apply_env()
-    from pipeline.checkpoint import load_target_weights
-    from pipeline.drafter import DSparkDrafter
-    from pipeline.losses import LossConfig, TargetHead
+    from pipeline.target_weights import load_target_weights
+    from pipeline.dspark.drafter import DSparkDrafter
+    from pipeline.dspark.losses import LossConfig, TargetHead
     from pipeline.training import (TrainConfig, accumulate_gradients, build_drafter_config, open_store, plan,
                                    step_blocks, step_sample_ids)
 

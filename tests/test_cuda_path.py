@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.drafter import DSparkDrafter
-from pipeline.drafter_config import DrafterConfig
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.dspark.config import DrafterConfig
 from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import CostTable
@@ -58,8 +58,8 @@ def test_sampling_on_cuda_matches_target_distribution():
 
 
 def test_training_step_on_cuda_equals_cpu():
-    from pipeline.anchors import make_blocks
-    from pipeline.losses import LossConfig, TargetHead, weight_sum
+    from pipeline.dspark.anchors import make_blocks
+    from pipeline.dspark.losses import LossConfig, TargetHead, weight_sum
     from pipeline.training import accumulate_gradients
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -12,7 +12,7 @@ import torch
 
 from actors.extraction import ExtractConfig, run_extraction
 from actors.generation import GenerateConfig, run_generation
-from pipeline.disk_store import DiskHiddenStore
+from pipeline.stores.disk import DiskHiddenStore
 from pipeline.shards import ShardSet
 
 pytestmark = pytest.mark.slow

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from pipeline.disk_store import DiskHiddenStore
-from pipeline.hidden_store import StoreError, bytes_per_token
+from pipeline.stores.disk import DiskHiddenStore
+from pipeline.stores.base import StoreError, bytes_per_token
 
 
 def _sample(T, n=3, d=8, seed=0):

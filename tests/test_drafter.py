@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from pipeline.anchors import block_labels, make_blocks, sample_anchors
-from pipeline.draft_vocab import build_draft_vocab, count_tokens, d2t_from_draft_ids, draft_ids_from_d2t
-from pipeline.drafter import DSparkDrafter
-from pipeline.drafter_config import DrafterConfig, DrafterConfigError, dflash_layer_ids
+from pipeline.dspark.anchors import block_labels, make_blocks, sample_anchors
+from pipeline.dspark.draft_vocab import build_draft_vocab, count_tokens, d2t_from_draft_ids, draft_ids_from_d2t
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.dspark.config import DrafterConfig, DrafterConfigError, dflash_layer_ids
 from pipeline.sampling import SamplingParams
-from pipeline.sequential_heads import NoHead, RNNMarkovHead
+from pipeline.dspark.markov_head import NoHead, RNNMarkovHead
 
 torch.set_num_threads(1)  # tiny shapes: threads only add contention on the shared 2-core machine
 
@@ -332,7 +332,7 @@ def test_sts_temperatures_scale_conf_logits():
 def test_markov_w1_gradient_equals_dense_embedding_gradient(head):
     """W1's backward adds rows straight into W1.grad (a reused buffer); it must equal autograd's dense embedding
     gradient, accumulate over backwards, and start from zero again after zero_grad(set_to_none=True)."""
-    from pipeline.sequential_heads import HEADS
+    from pipeline.dspark.markov_head import HEADS
 
     torch.manual_seed(0)
     m = HEADS[head](V, 40, 16, D)

@@ -313,8 +313,8 @@ def test_sampling_matches_target_distribution(case):
 def test_with_pipeline_drafter(target, refs):
     """The real DSparkDrafter (random weights) through the same engine: greedy output is still exactly the target's
     (lossless whatever the drafter quality); its nn.Module ``cfg`` and batched ``extend_contexts`` are used."""
-    drafter_mod = pytest.importorskip("pipeline.drafter")
-    from pipeline.drafter_config import DrafterConfig
+    drafter_mod = pytest.importorskip("pipeline.dspark.drafter")
+    from pipeline.dspark.config import DrafterConfig
 
     cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, aux_layer_ids=[1, 2], mask_token_id=0,
                                            markov_rank=8, block_size=GAMMA)

@@ -13,9 +13,9 @@ pytestmark = pytest.mark.slow
 def smol_drafter(target_dir, tmp_path_factory):
     from transformers import AutoConfig
 
-    from pipeline.checkpoint import export_checkpoint
-    from pipeline.drafter import DSparkDrafter
-    from pipeline.drafter_config import DrafterConfig
+    from pipeline.dspark.checkpoint import export_checkpoint
+    from pipeline.dspark.drafter import DSparkDrafter
+    from pipeline.dspark.config import DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_hidden_layers=1,
@@ -65,7 +65,7 @@ def test_evaluate_side_by_side_lossless(smol_drafter, bench_file, target_dir, tm
 
 def test_calibrate_writes_temperatures(smol_drafter, bench_file, target_dir, tmp_path):
     from jobs.calibrate import main
-    from pipeline.checkpoint import read_config
+    from pipeline.dspark.checkpoint import read_config
 
     r = main(["--drafter", str(smol_drafter), "--prompts", str(bench_file), "--limit", "3", "--max-new-tokens", "24",
               "--batch", "3", "--out", str(tmp_path), "--target", str(target_dir)])
@@ -109,7 +109,7 @@ def _training_run_with_holdout(tmp_path, prompt_ids: dict[str, list[int]], holdo
 
 
 def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
-    from pipeline.calibration import CalibrateConfig, heldout_prompts
+    from pipeline.sts_rollouts import CalibrateConfig, heldout_prompts
     from pipeline.evaluation import load_heldout_suites
 
     ids = {f"{tag}:{i}": [i, i + 1, i + 2] for tag in ("math", "code") for i in range(1, 6)}
@@ -129,7 +129,7 @@ def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
 def test_heldout_subsets_draw_from_every_source_file(tmp_path):
     """"At most N held-out samples" (calibration's --limit, the learning curve's --eval-samples) is a fixed seeded
     subset, not the first N of the store's order or of the sorted ids, which would all come from one prompt file."""
-    from pipeline.calibration import CalibrateConfig, heldout_prompts
+    from pipeline.sts_rollouts import CalibrateConfig, heldout_prompts
     from pipeline.training import heldout_eval_ids
 
     ids = {f"{tag}:{i}": [k, i] for k, tag in enumerate(("arena", "math")) for i in range(10, 30)}

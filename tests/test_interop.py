@@ -1,4 +1,4 @@
-"""Interop of our exported checkpoint (pipeline.checkpoint.export_checkpoint) with the two consumers of the format
+"""Interop of our exported checkpoint (pipeline.dspark.checkpoint.export_checkpoint) with the two consumers of the format
 (docs/checkpoint_format.md), on CPU with tiny random models:
 
 1. speculators 0.9.0: `SpeculatorModel.from_pretrained(dir)` loads it (tensors bit-equal, verifier-owned weights
@@ -35,9 +35,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.checkpoint import export_checkpoint
-from pipeline.drafter import DSparkDrafter
-from pipeline.drafter_config import DrafterConfig
+from pipeline.dspark.checkpoint import export_checkpoint
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.dspark.config import DrafterConfig
 from pipeline.sampling import SamplingParams
 
 torch.set_num_threads(1)

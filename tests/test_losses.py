@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.anchors import make_blocks
-from pipeline.drafter import DSparkDrafter
-from pipeline.drafter_config import DrafterConfig
-from pipeline.losses import (LossConfig, SoftmaxL1CE, TargetHead, drafter_loss, loss_from_logits, position_weights,
+from pipeline.dspark.anchors import make_blocks
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.dspark.config import DrafterConfig
+from pipeline.dspark.losses import (LossConfig, SoftmaxL1CE, TargetHead, drafter_loss, loss_from_logits, position_weights,
                              weight_sum)
 
 torch.set_num_threads(1)
@@ -53,7 +53,7 @@ def test_chunked_target_probs_equal_unchunked(nd):
 
 def test_cached_lse_alone_reproduces_the_target_distribution():
     """A store keeps only the full-vocabulary lse per token; p_t on V_d and the mass outside follow from it."""
-    from pipeline.hidden_store import full_vocab_lse
+    from pipeline.stores.base import full_vocab_lse
 
     torch.manual_seed(0)
     W = torch.randn(V, 16)
@@ -188,7 +188,7 @@ def test_drafter_loss_uses_each_position_once_and_matches_direct_computation():
     w = position_weights(G)[slot]
     torch.testing.assert_close(out.parts["dist"], (w * l1).sum() / w.sum(), atol=1e-5, rtol=1e-5)
     # the store's cached full-vocabulary lse (no full-vocabulary pass in training) gives the same loss
-    from pipeline.hidden_store import full_vocab_lse
+    from pipeline.stores.base import full_vocab_lse
 
     lse = torch.stack([full_vocab_lse(last[i], target.lm_head.weight) for i in range(2)])
     cached = drafter_loss(m, th, aux, seq, last, blocks, LossConfig(), target_stats=(lse, None))
@@ -199,7 +199,7 @@ def test_drafter_loss_uses_each_position_once_and_matches_direct_computation():
 def test_micro_batched_step_equals_per_sequence_loop(kind):
     """pipeline.training.accumulate_gradients: right-padded micro-batches of sequences of DIFFERENT lengths give the
     same loss parts and gradients as one sequence at a time (padding is never read)."""
-    from pipeline.hidden_store import full_vocab_lse
+    from pipeline.stores.base import full_vocab_lse
     from pipeline.training import accumulate_gradients
 
     target = tiny_target()

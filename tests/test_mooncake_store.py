@@ -26,8 +26,8 @@ apply_env()
 
 import torch  # noqa: E402
 
-from pipeline.hidden_store import TENSOR_FIELDS, StoreError  # noqa: E402
-from pipeline.mooncake_store import MooncakeHiddenStore  # noqa: E402
+from pipeline.stores.base import TENSOR_FIELDS, StoreError  # noqa: E402
+from pipeline.stores.mooncake import MooncakeHiddenStore  # noqa: E402
 
 AUX, HID = 3 * 64, 64
 
@@ -77,7 +77,7 @@ def _role_write(args: dict) -> dict:
     if args.get("partial"):  # fields of one sample without its header: what a writer killed mid-put leaves
         sid, seed, T = args["partial"]
         t = make_sample(seed, T)
-        from pipeline.hidden_store import tensor_to_bytes
+        from pipeline.stores.base import tensor_to_bytes
         rc = s._store.upsert_batch([s._key(sid, n) for n in t], [tensor_to_bytes(v) for v in t.values()], s._cfg)
         assert rc == 0, rc
     if args.get("crash"):

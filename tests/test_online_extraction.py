@@ -11,15 +11,15 @@ import torch
 
 from actors.extraction_service import ExtractionService
 from actors.mooncake_master import MooncakeMaster, loopback_preload_env
-from pipeline.disk_store import DiskHiddenStore
-from pipeline.mooncake_store import MooncakeHiddenStore
+from pipeline.stores.disk import DiskHiddenStore
+from pipeline.stores.mooncake import MooncakeHiddenStore
 
 pytestmark = pytest.mark.slow
 
 CONSUMER = textwrap.dedent("""
     import hashlib, json, sys
     from pipeline.runtime import apply_env; apply_env()
-    from pipeline.mooncake_store import MooncakeHiddenStore
+    from pipeline.stores.mooncake import MooncakeHiddenStore
     ep, prefix, keys = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     store = MooncakeHiddenStore(prefix, ep)
     out = {}

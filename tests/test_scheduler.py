@@ -8,8 +8,9 @@ import torch
 
 from pipeline.rejection_sampler import RejectionSampler
 from pipeline.sampling import SamplingParams
+from pipeline.dspark.calibration import OnlineCalibration
 from pipeline.scheduler import (AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix, LiveRoundCost,
-                                OnlineCalibration, StaticThreshold, make_scheduler, sorted_candidates, survival)
+                                StaticThreshold, make_scheduler, sorted_candidates, survival)
 
 
 @pytest.fixture(scope="module", autouse=True)

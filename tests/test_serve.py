@@ -101,9 +101,9 @@ def test_router_ranks_by_expected_work():
 def serve_drafter(target_dir, tmp_path_factory):
     from transformers import AutoConfig
 
-    from pipeline.checkpoint import export_checkpoint
-    from pipeline.drafter import DSparkDrafter
-    from pipeline.drafter_config import DrafterConfig
+    from pipeline.dspark.checkpoint import export_checkpoint
+    from pipeline.dspark.drafter import DSparkDrafter
+    from pipeline.dspark.config import DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_hidden_layers=1,

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from pipeline.confidence_head import (ConfidenceHead, apply_sts, auroc, brier, calibration_report, ece, fit_sts,
-                                      soft_label)
+from pipeline.dspark.calibration import apply_sts, auroc, brier, calibration_report, ece, fit_sts
+from pipeline.dspark.confidence_head import ConfidenceHead, soft_label
 
 torch.set_num_threads(1)
 

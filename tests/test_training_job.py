@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from pipeline.disk_store import DiskHiddenStore
+from pipeline.stores.disk import DiskHiddenStore
 from pipeline.hf_extractor import HFExtractor
 
 
@@ -21,7 +21,7 @@ def tiny_setup(tmp_path_factory):
                       eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(root / "target")
-    from pipeline.hidden_store import full_vocab_lse
+    from pipeline.stores.base import full_vocab_lse
 
     ex = HFExtractor(root / "target", [1, 2, 4])
     store = DiskHiddenStore(root / "hidden", samples_per_shard=4)
@@ -87,7 +87,7 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     assert [t for _, t in walk_b] == pytest.approx([t for _, t in walk_a])
     assert (tmp_path / "a" / "learning_curve.png").is_file()
     # the exported drafter loads against its target
-    from pipeline.checkpoint import load_drafter
+    from pipeline.dspark.checkpoint import load_drafter
 
     d = load_drafter(tmp_path / "b" / "drafter", tiny_setup / "target")
     assert d.cfg.aux_layer_ids == [1, 2, 4] and d.cfg.kind == "dspark"

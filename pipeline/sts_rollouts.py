@@ -117,7 +117,7 @@ def rollout(engine, prompts: list[list[int]], params: SamplingParams, max_new_to
 
 def set_sts_temperatures(drafter_dir: Path, temps: list[float] | None) -> None:
     """Rewrite the checkpoint's config.json atomically with the temperatures (our own field)."""
-    from pipeline.checkpoint import EXTRA_KEY
+    from pipeline.dspark.checkpoint import EXTRA_KEY
     from pipeline.shards import atomic_write_json
 
     p = Path(drafter_dir) / "config.json"
@@ -129,8 +129,8 @@ def set_sts_temperatures(drafter_dir: Path, temps: list[float] | None) -> None:
 def run_calibration(cfg: CalibrateConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.checkpoint import load_drafter
-    from pipeline.confidence_head import calibration_report, fit_sts
+    from pipeline.dspark.checkpoint import load_drafter
+    from pipeline.dspark.calibration import calibration_report, fit_sts
     from pipeline.engine import SpeculativeEngine, SpecConfig
     from pipeline.runtime import resolve_device, torch_threads
     from pipeline.shards import atomic_write_json
@@ -170,7 +170,7 @@ def plot_reliability_before_after(z, y, temps, png: Path, n_bins: int = 10) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipeline.confidence_head import apply_sts
+    from pipeline.dspark.calibration import apply_sts
 
     G = z.shape[1]
     fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))

@@ -1,47 +1,20 @@
-"""Confidence head, its soft label, and Sequential Temperature Scaling (docs/dspark.md §4).
+"""Calibration of the confidence head (docs/dspark.md §4): offline Sequential Temperature Scaling, its metrics,
+and the online correction the cost-aware schedulers apply to live traffic.
 
-    c_k = σ(w·[h_k; W1[x_{k-1}]] + b)          `confidence_head.proj`, Linear(d + r -> 1), kept in fp32
-    soft label  c*_k = clamp(1 - ½‖p_d,k - p_t,k‖₁, 0, 1), detached
+Offline (STS): on held-out full-length rounds with logits z [N, γ] and prefix labels y [N, γ] (y_{n,k} = 1 iff the
+first k drafts were all accepted), fit T_1..T_γ left to right: T_k = argmin_T ECE(Π_{i<k} σ(z_i/T_i) · σ(z_k/T),
+y_k), with earlier temperatures fixed.  Deployed c_k = σ(z_k / T_k) (monotone in z_k: rankings unchanged).
+The rounds come from real engine rollouts: ``pipeline.sts_rollouts``.
 
-c_k estimates P(x_k accepted | x_1..x_{k-1} accepted); prefix survival is a_k = Π_{i<=k} c_i.
-
-STS: on held-out full-length rounds with logits z [N, γ] and prefix labels y [N, γ] (y_{n,k} = 1 iff the first k
-drafts were all accepted), fit T_1..T_γ left to right: T_k = argmin_T ECE(Π_{i<k} σ(z_i/T_i) · σ(z_k/T), y_k), with
-earlier temperatures fixed.  Deployed c_k = σ(z_k / T_k) (monotone in z_k: rankings unchanged).
+Online: ``OnlineCalibration`` compares realised acceptance with predicted survival over recent rounds.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
-import torch.nn as nn
-
-
-class ConfidenceHead(nn.Module):
-    def __init__(self, hidden_size: int, markov_rank: int = 0):
-        super().__init__()
-        self.proj = nn.Linear(hidden_size + markov_rank, 1)  # fp32 always (see `_apply`)
-        nn.init.zeros_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
-
-    def forward(self, h: torch.Tensor, prev_emb: torch.Tensor | None = None) -> torch.Tensor:
-        """h [..., d], prev_emb [..., r] or None -> logits [...] fp32."""
-        x = h.float() if prev_emb is None else torch.cat([h.float(), prev_emb.float()], dim=-1)
-        return self.proj(x).squeeze(-1)
-
-    def _apply(self, fn, recurse=True):
-        # keep the head fp32 whatever dtype the drafter is cast to (it is tiny; logits feed calibration)
-        super()._apply(fn, recurse)
-        for p in self.parameters():
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
-        return self
-
-
-def soft_label(l1: torch.Tensor) -> torch.Tensor:
-    """l1 = ‖p_d - p_t‖₁ [...] -> c* = clamp(1 - l1/2, 0, 1), detached."""
-    return (1.0 - 0.5 * l1.detach().float()).clamp_(0.0, 1.0)
 
 
 def apply_sts(logits: torch.Tensor, temperatures) -> torch.Tensor:
@@ -150,3 +123,63 @@ def fit_sts(logits: torch.Tensor, prefix_labels: torch.Tensor, grid=None, n_bins
         temps.append(float(T_k))
         prefix = prefix * torch.sigmoid(z[:, k] / T_k)
     return temps
+
+
+def calibrated_confidence(conf_logits: torch.Tensor, temperatures: Sequence[float] | None = None) -> torch.Tensor:
+    """c_k = σ(z_k / T_k) in float64 (STS, docs/dspark.md §4); T = 1 where not given."""
+    z = conf_logits.double()
+    if temperatures is not None:
+        T = torch.ones(z.shape[-1], dtype=torch.float64)
+        t = torch.as_tensor(list(temperatures)[:z.shape[-1]], dtype=torch.float64)
+        T[:t.numel()] = t
+        z = z / T.to(z.device)
+    return torch.sigmoid(z)
+
+
+class OnlineCalibration:
+    """Realised acceptance vs predicted survival, per depth position, over recent rounds (docs/dspark.md §4 calibrates
+    the confidence head offline, on held-out training data; live traffic can differ, and an over-confident head makes
+    Algorithm 1 verify drafts that are then rejected).
+
+    After each round the engine reports, per drafted request, how many drafts were verified (L) and accepted (m).
+    For every position j <= L the scheduler had predicted survival a_j; the realised event is m >= j.  With
+    exponentially decayed sums P_j (predicted) and A_j (realised) and a prior of ``prior`` pseudo-rounds at ratio 1,
+    the correction is ρ_j = (A_j + prior) / (P_j + prior) and the scheduler uses a'_j = min(1, ρ_j · a_j), made
+    non-increasing in j.  ρ comes from past rounds only, so the depth rule stays lossless.
+    """
+
+    def __init__(self, decay: float = 0.98, prior: float = 4.0):
+        self.decay, self.prior = float(decay), float(prior)
+        self.pred = torch.zeros(0, dtype=torch.float64)  # grows to γ on first use
+        self.real = torch.zeros(0, dtype=torch.float64)
+
+    def _grow(self, g: int):
+        if self.pred.numel() < g:
+            pad = torch.zeros(g - self.pred.numel(), dtype=torch.float64)
+            self.pred, self.real = torch.cat([self.pred, pad]), torch.cat([self.real, pad.clone()])
+
+    def ratio(self, g: int) -> torch.Tensor:
+        self._grow(g)
+        return ((self.real + self.prior) / (self.pred + self.prior))[:g]
+
+    def apply(self, a: torch.Tensor) -> torch.Tensor:
+        """a [R, γ] survival -> corrected survival (same zeros beyond each request's max depth)."""
+        if a.numel() == 0:
+            return a
+        rho = self.ratio(a.shape[-1]).to(a.device)
+        out = (a.double() * rho).clamp(max=1.0)
+        return torch.cummin(out, dim=-1).values
+
+    def observe(self, a: torch.Tensor, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """a [R, γ] the survival the round was scheduled with; verified L_r, accepted m_r per row."""
+        g = a.shape[-1]
+        self._grow(g)
+        j = torch.arange(1, g + 1)
+        L = torch.as_tensor(list(verified), dtype=torch.long)[:, None]
+        m = torch.as_tensor(list(accepted), dtype=torch.long)[:, None]
+        seen = (j[None, :] <= L).double()
+        self.pred[:g] = self.decay * self.pred[:g] + (a.double().cpu() * seen).sum(0)
+        self.real[:g] = self.decay * self.real[:g] + ((j[None, :] <= m).double() * seen).sum(0)
+
+    def to_dict(self) -> dict:
+        return {"ratio": [round(float(x), 4) for x in self.ratio(self.pred.numel())]}

@@ -27,54 +27,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from pipeline.confidence_head import ConfidenceHead, apply_sts
-from pipeline.drafter_config import DrafterConfig
+from pipeline.dspark.calibration import apply_sts
+from pipeline.dspark.confidence_head import ConfidenceHead
+from pipeline.layers import RMSNorm, Rotary, apply_rope
+from pipeline.dspark.config import DrafterConfig
 from pipeline.packed_linear import Linear
 from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from pipeline.sequential_heads import build_sequential_head
+from pipeline.target_weights import load_target_weights
+from pipeline.dspark.markov_head import build_sequential_head
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # building blocks (Qwen3-style)
 # ---------------------------------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Rotary(nn.Module):
-    """neox-style RoPE: cos/sin [..., h] for integer positions [...]."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv.float(), persistent=False)
-
-    def forward(self, pos: torch.Tensor, dtype: torch.dtype):
-        f = pos.float()[..., None] * self.inv_freq  # [..., h/2]
-        emb = torch.cat((f, f), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, L, h]; cos/sin [B, L, h]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -93,13 +58,13 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(B, L, self.K, self.h)).transpose(1, 2)
         v = self.v_proj(x).view(B, L, self.K, self.h).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k, cos[:, None], sin[:, None]), v  # cos/sin [B, L, h] -> [B, 1, L, h]
 
     def q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         """x [B, L, d] -> q [B, H, L, h] (normed + roped)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, L, self.H, self.h)).transpose(1, 2)
-        return apply_rope(q, cos, sin)
+        return apply_rope(q, cos[:, None], sin[:, None])
 
     def out(self, a: torch.Tensor) -> torch.Tensor:  # [B, H, L, h] -> [B, L, d]
         B, _, L, _ = a.shape
@@ -241,8 +206,6 @@ class DSparkDrafter(nn.Module):
     @classmethod
     def from_target(cls, cfg: DrafterConfig, target, draft_ids: torch.Tensor | None = None, **kw) -> "DSparkDrafter":
         """A fresh drafter whose frozen embed / lm_head come from `target` (transformers model or HF folder)."""
-        from pipeline.checkpoint import load_target_weights  # local: checkpoint imports this module
-
         m = cls(cfg, **kw)
         if draft_ids is not None:
             m.set_draft_vocab(draft_ids)

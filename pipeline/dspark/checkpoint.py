@@ -19,83 +19,21 @@ import os
 import shutil
 import uuid
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline.draft_vocab import d2t_from_draft_ids, draft_ids_from_d2t
-from pipeline.drafter import DSparkDrafter
-from pipeline.drafter_config import DrafterConfig, DrafterConfigError
+from pipeline.dspark.draft_vocab import d2t_from_draft_ids, draft_ids_from_d2t
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.target_weights import CONFIG_NAME, WEIGHTS_NAME, load_target_weights
+from pipeline.dspark.config import DrafterConfig, DrafterConfigError
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 EXTRA_KEY = "dspark_ray"
 FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
     pass
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# target weights (frozen embedding / LM head)
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class TargetWeights:
-    embed: torch.Tensor  # [V, d]
-    lm_head: torch.Tensor  # [V, d] (== embed when tied)
-    hidden_size: int
-    vocab_size: int
-    num_layers: int
-    name_or_path: str
-    architectures: list[str]
-
-
-def load_target_weights(target) -> TargetWeights:
-    """`target`: a transformers causal LM (module) or a local HF folder (reads only the two tensors it needs)."""
-    if isinstance(target, torch.nn.Module):
-        cfg = target.config
-        emb = target.get_input_embeddings().weight.detach()
-        out = target.get_output_embeddings()
-        head = emb if out is None else out.weight.detach()
-        return TargetWeights(emb, head, int(cfg.hidden_size), int(emb.shape[0]), int(cfg.num_hidden_layers),
-                             str(getattr(cfg, "_name_or_path", "") or ""), list(getattr(cfg, "architectures", None)
-                                                                               or []))
-    path = Path(target)
-    if not (path / CONFIG_NAME).is_file():
-        raise CheckpointError(f"target {str(target)!r} is neither a model nor a local HF folder with config.json")
-    cfg = json.loads((path / CONFIG_NAME).read_text())
-    cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
-    tensors = _read_named_tensors(path, ["model.embed_tokens.weight", "lm_head.weight"])
-    emb = tensors.get("model.embed_tokens.weight")
-    if emb is None:  # unusual naming: fall back to instantiating the model
-        from transformers import AutoModelForCausalLM
-
-        return load_target_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    head = tensors.get("lm_head.weight", emb)
-    return TargetWeights(emb, head, int(cfg["hidden_size"]), int(emb.shape[0]), int(cfg["num_hidden_layers"]),
-                         str(path), list(cfg.get("architectures") or []))
-
-
-def _read_named_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        wmap = json.loads(index.read_text())["weight_map"]
-        files = {n: folder / wmap[n] for n in names if n in wmap}
-    else:
-        f = folder / WEIGHTS_NAME
-        if not f.is_file():
-            raise CheckpointError(f"target folder {folder} has no {WEIGHTS_NAME} (or index)")
-        files = {n: f for n in names}
-    out = {}
-    for n, f in files.items():
-        with safe_open(str(f), framework="pt") as sf:
-            if n in sf.keys():
-                out[n] = sf.get_tensor(n)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -131,10 +69,10 @@ def speculators_config(cfg: DrafterConfig, verifier_name_or_path: str = "", veri
     notes = []
     if cfg.markov_rank == 0:
         notes.append("markov_rank=0 (DFlash baseline): vLLM's dspark loader requires markov_rank > 0; this "
-                     "checkpoint loads with pipeline.checkpoint.load_drafter (our engine) only")
+                     "checkpoint loads with pipeline.dspark.checkpoint.load_drafter (our engine) only")
     elif cfg.markov_head_type != "vanilla":
         notes.append(f"markov_head_type={cfg.markov_head_type!r}: vLLM implements only the vanilla Markov head; "
-                     "this checkpoint loads with pipeline.checkpoint.load_drafter but not in vLLM")
+                     "this checkpoint loads with pipeline.dspark.checkpoint.load_drafter but not in vLLM")
     if cfg.context_window is not None:
         notes.append(f"context_window={cfg.context_window} is not expressed for vLLM (it attends to the full "
                      "context); serve with our engine to match training")

@@ -64,7 +64,7 @@ class DrafterConfig:
     kind: str = "dspark"  # 'dspark' | 'dflash'
     markov_rank: int = 256  # r; 0 = no Markov head (DFlash)
     markov_head_type: str = "vanilla"  # 'vanilla' | 'gated' | 'rnn'
-    # training-time parameterisation of W1 (sequential_heads.py): 'table' | 'embedding'; never exported (the
+    # training-time parameterisation of W1 (pipeline/dspark/markov_head.py): 'table' | 'embedding'; never exported (the
     # checkpoint holds the materialised table, so a loaded drafter is always 'table')
     markov_w1_source: str = "table"
     enable_confidence_head: bool = True

@@ -1,4 +1,4 @@
-"""Hidden-state storage: one interface, two backends (Parquet shards on disk, a Mooncake store).
+"""The hidden-state store interface, the sample layout and the byte codec shared by both backends.
 
 A *sample* is one response row of stage 1 run through the target:
 
@@ -143,17 +143,3 @@ class HiddenStateStore(abc.ABC):
     def __exit__(self, *exc):
         self.close()
 
-
-def open_hidden_store(backend: str, folder=None, prefix: str | None = None, endpoint=None,
-                      master_addr: str | None = None, metadata_url: str | None = None) -> HiddenStateStore:
-    """The store a stage config names: ``disk`` (a folder) or ``mooncake`` (a key prefix at a master given as an
-    endpoint object/dict, as master_addr + metadata_url, or through the MOONCAKE_* environment variables)."""
-    if backend == "disk":
-        from pipeline.disk_store import DiskHiddenStore
-
-        return DiskHiddenStore(folder)
-    if backend == "mooncake":
-        from pipeline.mooncake_store import MooncakeHiddenStore
-
-        return MooncakeHiddenStore(prefix, endpoint, master_addr=master_addr, metadata_url=metadata_url)
-    raise StoreError(f"unknown hidden-state backend {backend!r} (disk | mooncake)")

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.anchors import Blocks
+from pipeline.dspark.anchors import Blocks
 
 
 @dataclass
@@ -86,7 +86,7 @@ class TargetHead(nn.Module):
 
     def _out_lse(self, h: torch.Tensor) -> torch.Tensor:
         """logsumexp over the non-draft rows, chunked.  h [N,d] fp32 -> [N] (-inf if V_d = V)."""
-        from pipeline.hidden_store import full_vocab_lse
+        from pipeline.stores.base import full_vocab_lse
 
         return full_vocab_lse(h, self.weight[self.Vd:], chunk=self.vocab_chunk)
 
@@ -232,7 +232,7 @@ def drafter_loss(drafter, target_head: TargetHead | None, aux_hidden: torch.Tens
     """Full training loss for one batch.
 
     aux_hidden [B,T,n·d], input_ids [B,T], last_hidden [B,T,d] (target final hidden, after its norm), blocks from
-    `pipeline.anchors.make_blocks`.  target_stats: optional cached (lse [B,T], mass_out [B,T] or None) from
+    `pipeline.dspark.anchors.make_blocks`.  target_stats: optional cached (lse [B,T], mass_out [B,T] or None) from
     `TargetHead.stats(last_hidden)` or the store's ``target_lse`` (saves the full-vocabulary pass).
     """
     G = drafter.cfg.block_size

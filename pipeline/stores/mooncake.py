@@ -9,7 +9,7 @@ Keys, for a store ``prefix``:
     <prefix>/@index/<n>/ids          that writer's JSON {sample_id: n_tokens}, rewritten on flush()
     <prefix>/manifest                JSON, put LAST by commit(); removed again when a new sample is put
 
-Semantics match :class:`pipeline.disk_store.DiskHiddenStore`: put() of an existing id is a no-op, get() of an
+Semantics match :class:`pipeline.stores.disk.DiskHiddenStore`: put() of an existing id is a no-op, get() of an
 unknown id raises KeyError, manifest() before commit raises StoreError, everything else fails with StoreError.
 Objects are hard-pinned: Mooncake never evicts them, a full store fails the put with an error.
 
@@ -34,7 +34,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from pipeline.hidden_store import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
+from pipeline.stores.base import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
                                    tensor_to_bytes, validate_sample)
 from pipeline.runtime import LOOPBACK, apply_env
 
