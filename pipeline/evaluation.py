@@ -15,10 +15,18 @@ from pathlib import Path
 
 import torch
 
+from pipeline.dspark.calibration import calibration_report
+from pipeline.dspark.checkpoint import load_drafter
+from pipeline.engine import SpecConfig, SpeculativeEngine
+from pipeline.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
+from pipeline.runtime import resolve_device, torch_threads
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import SCHEDULERS
+from pipeline.scheduler import SCHEDULERS, CostTable
+from pipeline.shards import atomic_write_json
+from pipeline.sts_rollouts import full_length_rounds, heldout_rows
 from pipeline.subsets import subsample
-from pipeline.target_runner import LINEAR_BACKENDS
+from pipeline.target_model import resolve_target
+from pipeline.target_runner import LINEAR_BACKENDS, TargetRunner
 
 
 @dataclass
@@ -83,8 +91,6 @@ def parse_drafters(specs: list[str]) -> list[tuple[str, Path]]:
 
 
 def load_benchmark(path: Path, tokenizer, limit: int) -> list[dict]:
-    from pipeline.prompts import chat_prompt_ids, read_prompt_files
-
     rows, skips = read_prompt_files([path])
     for s in skips:
         print(f"[evaluate] skipped {s.request_id}: {s.reason}")
@@ -94,8 +100,6 @@ def load_benchmark(path: Path, tokenizer, limit: int) -> list[dict]:
 def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> list[tuple[str, list[dict]]]:
     """A training run's held-out prompts as evaluation suites, one per source prompt file (request ids are
     "<file tag>:<line>"), each subsampled like a benchmark file: [("heldout-<tag>", [{id, prompt_ids}])]."""
-    from pipeline.sts_rollouts import heldout_rows
-
     by_tag: dict[str, list[dict]] = {}
     for rid, ids in heldout_rows(train_dir, responses):
         by_tag.setdefault(rid.rsplit(":", 1)[0], []).append({"id": rid, "prompt_ids": ids})
@@ -126,9 +130,6 @@ def summarize(records: list[dict], gamma: int) -> dict:
 
 
 def confidence_metrics(records: list[dict], gamma: int) -> dict:
-    from pipeline.sts_rollouts import full_length_rounds
-    from pipeline.dspark.calibration import calibration_report
-
     z, y = full_length_rounds([rd for r in records for rd in r["rounds"]], gamma)
     if len(z) < 2:
         return {}
@@ -138,16 +139,8 @@ def confidence_metrics(records: list[dict], gamma: int) -> dict:
 
 
 def run_evaluation(cfg: EvalConfig) -> dict:
-    from transformers import AutoTokenizer
     from tqdm import tqdm
-
-    from pipeline.dspark.checkpoint import load_drafter
-    from pipeline.engine import SpeculativeEngine, SpecConfig
-    from pipeline.prompts import DEFAULT_PROMPTS
-    from pipeline.runtime import resolve_device, torch_threads
-    from pipeline.scheduler import CostTable
-    from pipeline.target_model import resolve_target
-    from pipeline.target_runner import TargetRunner
+    from transformers import AutoTokenizer
 
     if cfg.responses and not cfg.heldout_of:
         raise ValueError("--responses only applies with --heldout-of (whose held-out prompts it holds)")
@@ -226,8 +219,6 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     results["overall"] = overall
     results["fastest_baseline"] = base[1]
     cfg.out.mkdir(parents=True, exist_ok=True)
-    from pipeline.shards import atomic_write_json
-
     atomic_write_json(cfg.out / "results.json", results)
     plot_acceptance(results, cfg.out / "acceptance_by_position.png")
     plot_reliability(all_records, [(n, g) for n, _, g in systems if g], cfg.out / "reliability.png")
@@ -265,8 +256,6 @@ def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from pipeline.sts_rollouts import full_length_rounds
 
     fig, ax = plt.subplots(figsize=(4.5, 4.2))
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)

@@ -15,8 +15,16 @@ from pathlib import Path
 
 import torch
 
+from pipeline.dspark.calibration import apply_sts, calibration_report, fit_sts
+from pipeline.dspark.checkpoint import EXTRA_KEY, load_drafter
+from pipeline.engine import SpecConfig, SpeculativeEngine
+from pipeline.prompts import chat_prompt_ids, read_prompt_files
+from pipeline.runtime import resolve_device, torch_threads
 from pipeline.sampling import SamplingParams
+from pipeline.shards import MANIFEST, ShardSet, atomic_write_json
 from pipeline.subsets import subsample
+from pipeline.target_model import resolve_target
+from pipeline.target_runner import TargetRunner
 
 
 @dataclass
@@ -48,9 +56,6 @@ def heldout_prompts(cfg: CalibrateConfig) -> list[list[int]]:
     if cfg.prompts:
         from transformers import AutoTokenizer
 
-        from pipeline.prompts import chat_prompt_ids, read_prompt_files
-        from pipeline.target_model import resolve_target
-
         tok = AutoTokenizer.from_pretrained(str(resolve_target(cfg.target)))
         rows, _ = read_prompt_files(cfg.prompts, cfg.limit)
         return [chat_prompt_ids(tok, r.text) for r in rows]
@@ -62,8 +67,6 @@ def heldout_rows(train_dir: Path, responses: Path | None = None) -> list[tuple[s
     """(request_id, prompt_ids) of a training run's held-out samples (plan.json's hold-out split: prompts the
     drafter never trained on, from the training prompts' own distribution), in the responses store's order.
     ``responses`` defaults to the store that the run's hidden states were extracted from (their manifest says)."""
-    from pipeline.shards import MANIFEST, ShardSet
-
     train_dir = Path(train_dir)
     if not (train_dir / "plan.json").is_file():
         raise FileNotFoundError(f"{train_dir}: not a training run folder (plan.json missing)")
@@ -117,9 +120,6 @@ def rollout(engine, prompts: list[list[int]], params: SamplingParams, max_new_to
 
 def set_sts_temperatures(drafter_dir: Path, temps: list[float] | None) -> None:
     """Rewrite the checkpoint's config.json atomically with the temperatures (our own field)."""
-    from pipeline.dspark.checkpoint import EXTRA_KEY
-    from pipeline.shards import atomic_write_json
-
     p = Path(drafter_dir) / "config.json"
     conf = json.loads(p.read_text())
     conf.setdefault(EXTRA_KEY, {})["sts_temperatures"] = temps
@@ -128,14 +128,6 @@ def set_sts_temperatures(drafter_dir: Path, temps: list[float] | None) -> None:
 
 def run_calibration(cfg: CalibrateConfig) -> dict:
     from transformers import AutoTokenizer
-
-    from pipeline.dspark.checkpoint import load_drafter
-    from pipeline.dspark.calibration import calibration_report, fit_sts
-    from pipeline.engine import SpeculativeEngine, SpecConfig
-    from pipeline.runtime import resolve_device, torch_threads
-    from pipeline.shards import atomic_write_json
-    from pipeline.target_model import resolve_target
-    from pipeline.target_runner import TargetRunner
 
     torch_threads()
     target = resolve_target(cfg.target)
@@ -169,8 +161,6 @@ def plot_reliability_before_after(z, y, temps, png: Path, n_bins: int = 10) -> N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from pipeline.dspark.calibration import apply_sts
 
     G = z.shape[1]
     fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))

