@@ -1,6 +1,7 @@
 """Offline evaluation - acceptance length τ (tokens per round incl. the bonus token), per-position acceptance,
 verify rate, proposed depth, confidence ECE/AUC, wall time and tokens/s, for each --drafter and the no-speculation
-baseline (fp32 and bf16 target), measured side by side on the same prompts in one run.
+baseline (our engine without a drafter, fp32 and bf16) and vLLM's own plain decoding (fp32 and bf16), measured side
+by side on the same prompts in one run; every speedup is against the fastest of those no-speculation systems.
 
 Writes results.json (per benchmark and overall), acceptance_by_position.png and reliability.png to --out."""
 from __future__ import annotations
@@ -10,11 +11,12 @@ from pipeline.runtime import apply_env, reexec_for_process_env
 
 def main(argv=None):
     apply_env()
+    from actors.vllm_baseline import VLLMPlainDecoding
     from pipeline.config_cli import parse_config
     from pipeline.evaluation import EvalConfig, run_evaluation
 
     cfg = parse_config(EvalConfig, argv, description=__doc__)
-    res = run_evaluation(cfg)
+    res = run_evaluation(cfg, plain_decoder=VLLMPlainDecoding)
     print(f"\n{'system':<22} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'depth':>6} {'mismatch':>8}")
     for name, s in res["overall"].items():
         print(f"{name:<22} {s.get('tau', 1.0):6.2f} {s['tokens_per_s']:8.1f} "

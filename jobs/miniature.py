@@ -128,6 +128,7 @@ def main(argv=None):
         eval_main(["--drafter", f"dspark={drafter}", "--benchmarks", str(cfg.prompts[0] if cfg.prompts
                                                                          else DEFAULT_PROMPTS),
                    "--limit", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_tokens), "--out", str(ev),
+                   "--vllm-baselines", "none",
                    *tgt])
 
     stage("evaluate", (ev / "results.json").is_file(), evaluate)

@@ -71,9 +71,16 @@ class EvalConfig:
         "help": "target precisions of the no-speculation baseline (the fastest is the reference); on CPU float32 "
                 "= float32:hybrid (F.linear for 1-2 rows, oneDNN pre-packed weights above), float32:packed always "
                 "packed, float32:mkl MKL's F.linear"})
+    vllm_baselines: list[str] = field(default_factory=lambda: ["float32", "bfloat16"], metadata={
+        "help": "precisions of vLLM's own plain decoding of the target, run as further no-speculation systems on "
+                "the same prompts (the fastest of ours and vLLM's is the reference of every speed ratio); "
+                "'none' = leave vLLM out"})
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
     device: str = field(default="auto", metadata={"help": "device of target and drafters: auto (cuda if present), "
                                                           "cpu, cuda"})
+
+    def __post_init__(self):  # a clear error naming the flag (parse_config turns it into a usage error)
+        vllm_baseline_dtypes(self)
 
 
 def parse_drafters(specs: list[str]) -> list[tuple[str, Path]]:
@@ -138,12 +145,29 @@ def confidence_metrics(records: list[dict], gamma: int) -> dict:
                 confidence_brier=rep.brier)
 
 
-def run_evaluation(cfg: EvalConfig) -> dict:
+VLLM_BASELINE_DTYPES = ("float32", "bfloat16")
+
+
+def vllm_baseline_dtypes(cfg: EvalConfig) -> list[str]:
+    dts = [d for d in cfg.vllm_baselines if d != "none"]
+    bad = [d for d in dts if d not in VLLM_BASELINE_DTYPES]
+    if bad or (dts and len(dts) != len(cfg.vllm_baselines)):
+        raise ValueError(f"--vllm-baselines: {cfg.vllm_baselines} - give precisions from "
+                         f"{list(VLLM_BASELINE_DTYPES)}, or 'none' alone")
+    return list(dict.fromkeys(dts))
+
+
+def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
+    """``plain_decoder(target, dtype, max_model_len)`` builds vLLM's plain decoding for --vllm-baselines
+    (``actors.vllm_baseline.VLLMPlainDecoding``, passed in by jobs.evaluate: pipeline does not import actors)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
     if cfg.responses and not cfg.heldout_of:
         raise ValueError("--responses only applies with --heldout-of (whose held-out prompts it holds)")
+    vllm_dtypes = vllm_baseline_dtypes(cfg)
+    if vllm_dtypes and plain_decoder is None:
+        raise ValueError("--vllm-baselines needs vLLM's plain decoding (jobs.evaluate passes it); give 'none'")
     torch_threads(cfg.threads)
     target = resolve_target(cfg.target)
     tok = AutoTokenizer.from_pretrained(str(target))
@@ -166,6 +190,8 @@ def run_evaluation(cfg: EvalConfig) -> dict:
     base_dtypes = list(dict.fromkeys(list(cfg.baseline_dtypes) + ([cfg.spec_dtype] if drafters else [])))
     systems = [(f"baseline-{dt}", SpeculativeEngine(runners[dt], None, SpecConfig(), tokenizer=tok), 0)
                for dt in base_dtypes]
+    longest = max((len(p["prompt_ids"]) for _, prompts in suites for p in prompts), default=0)
+    systems += [(f"vllm-{dt}", plain_decoder(target, dt, longest + cfg.max_new_tokens), 0) for dt in vllm_dtypes]
     ref_name = f"baseline-{cfg.spec_dtype}"  # lossless = same tokens as the target in the SAME precision
     scheduler_of = {}
     for label, path in drafters:

@@ -45,7 +45,7 @@ def test_evaluate_side_by_side_lossless(smol_drafter, bench_file, target_dir, tm
     CostTable({1: 0.040, 8: 0.055, 64: 0.15}).save(cost)
     res = main(["--drafter", f"dspark={smol_drafter}", "--benchmarks", str(bench_file), "--limit", "2",
                 "--max-new-tokens", "12", "--out", str(tmp_path), "--target", str(target_dir),
-                "--also-schedulers", "hardware", "--cost-table", str(cost)])
+                "--also-schedulers", "hardware", "--cost-table", str(cost), "--vllm-baselines", "none"])
     o = res["overall"]
     assert set(o) == {"baseline-float32", "baseline-float32:packed", "baseline-float32:mkl", "baseline-bfloat16", "dspark",
                       "dspark@hardware"}
@@ -177,6 +177,16 @@ def test_evaluate_on_a_training_runs_heldout_prompts(smol_drafter, target_dir, t
     run, _ = _training_run_with_holdout(tmp_path, {k: chat_prompt_ids(tok, t) for k, t in texts.items()},
                                         ["math:2", "code:1"])
     res = main(["--drafter", f"dspark={smol_drafter}", "--heldout-of", str(run), "--max-new-tokens", "6",
-                "--baseline-dtypes", "float32", "--out", str(tmp_path / "eval"), "--target", str(target_dir)])
+                "--baseline-dtypes", "float32", "--vllm-baselines", "float32", "--out", str(tmp_path / "eval"),
+                "--target", str(target_dir)])
     assert set(res["benchmarks"]) == {"heldout-math", "heldout-code"}
     assert res["overall"]["dspark"]["prompts"] == 2 and res["overall"]["dspark"]["greedy_mismatches_vs_baseline"] == 0
+    # vLLM's plain decoding ran on the same prompts as a further no-speculation system, and the fastest of all
+    # no-speculation systems is the reference of every speedup
+    v = res["overall"]["vllm-float32"]
+    assert v["prompts"] == 2 and 0 < v["generated_tokens"] <= 2 * 6 and v["tokens_per_s"] > 0
+    plain = {n: s for n, s in res["overall"].items() if n.startswith(("baseline-", "vllm-"))}
+    assert res["fastest_baseline"] in plain
+    assert max(s["speedup_vs_fastest_baseline"] for s in plain.values()) == pytest.approx(1.0)
+    with pytest.raises(SystemExit):  # a precision vLLM baselines do not take is a usage error
+        main(["--heldout-of", str(run), "--vllm-baselines", "float16", "--out", str(tmp_path / "e2")])
