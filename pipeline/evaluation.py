@@ -220,7 +220,8 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
             params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                     seed=cfg.seed + i)
             outs = {}
-            for name, eng, gamma in systems:
+            # alternate the order prompt by prompt (A B C, C B A, ...): no system always runs first or last
+            for name, eng, gamma in (systems if i % 2 == 0 else systems[::-1]):
                 if gamma:
                     eng.round_log = []
                 t0 = time.perf_counter()
