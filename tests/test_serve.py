@@ -329,8 +329,62 @@ def test_bad_inputs_get_openai_errors(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+DEEP = 5000
+NAMED = [
+    # (path, raw body or json-able, status, the "param" the error names, a fragment of its message)
+    ("/completions", rb'{"model": "M", "prompt": "\ud800", "max_tokens": 3}', 400, None, "surrogate"),
+    ("/completions", rb'{"model": "M", "prompt": "x\udc00y", "max_tokens": 3}', 400, None, "surrogate"),
+    ("/chat/completions", rb'{"model": "M", "messages": [{"role": "user", "content": "\ud83d"}]}', 400, None,
+     "surrogate"),
+    ("/completions", b'{"model": "M", "prompt": "\xed\xa0\x80"}', 400, None, "UTF-8"),  # surrogate encoded as UTF-8
+    ("/completions", b'{"model": "M", "prompt": ' + b"[" * DEEP + b"]" * DEEP + b"}", 400, None, "nested too deeply"),
+    ("/completions", b'{"model": "M", "prompt": "hi", "extra": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"}", 400,
+     None, "nested too deeply"),
+    ("/completions", {"model": "M", "prompt": "hi", "temperature": 3.0}, 400, "temperature", "<= 2"),
+    ("/completions", {"model": "M", "prompt": "hi", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ("/completions", {"model": "M", "prompt": "hi", "stop": ["a", 3]}, 400, "stop[1]", "string"),
+    ("/completions", {"model": "M", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ("/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n", "not supported"),
+    ("/completions", {"model": "no-such-model", "prompt": "hi", "temperature": 9}, 404, "model", "no-such-model"),
+    ("/completions", {"prompt": "hi"}, 400, "model", "you must provide a 'model' parameter"),
+    ("/completions", {"model": "M", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage", "boolean"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}, {"role": "wizard"}]}, 400,
+     "messages[1].role", "'wizard'"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].type", "only text parts"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10 ** 7},
+     400, "max_tokens", "maximum context length"),
+]
+
+
+def test_bad_inputs_name_the_field(server):
+    """Each problem gets an OpenAI error whose ``param`` and message name it -- including bodies that are not valid
+    text (lone UTF-16 surrogates) or nest thousands of levels deep, which must be a 400, not a server error."""
+    import requests
+
+    for path, body, status, param, fragment in NAMED:
+        if isinstance(body, dict):
+            body = json.dumps({k: (server.model if v == "M" and k == "model" else v) for k, v in body.items()})
+        else:
+            body = body.replace(b'"M"', json.dumps(server.model).encode())
+        r = requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (path, body[:100], r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err
+        assert err["param"] == param and fragment in err["message"], (body[:100], err)
+        assert len(err["message"]) < 400, err  # the error does not echo a huge body back
+    r = requests.post(server.url + "/completions", json={"model": server.model, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    # the same text as a valid surrogate pair is an ordinary prompt
+    pair = b'{"model": %s, "prompt": "\\ud83d\\ude00", "max_tokens": 2}' % json.dumps(server.model).encode()
+    r = requests.post(server.url + "/completions", data=pair, headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 def test_router_prefers_idle_replica_and_disconnect_aborts(server):
     import requests
+    from prometheus_client.parser import text_string_to_metric_families
 
     long_body = {"model": server.model, "messages": [{"role": "user", "content": "Tell me a long story."}],
                  "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
@@ -351,17 +405,19 @@ def test_router_prefers_idle_replica_and_disconnect_aborts(server):
 
     def replica_metrics():
         txt = requests.get(server.base + "/metrics").text
-        vals = {}
-        for line in txt.splitlines():
-            if line.startswith(("dspark_replica_active_requests{", "dspark_replica_total{")) and busy in line:
-                vals[line.split(" ")[0]] = float(line.split(" ")[1])
+        vals = {}  # (sample name, ((label, value), ...) sorted) -> value, for the busy replica's series
+        for fam in text_string_to_metric_families(txt):
+            for s in fam.samples:
+                if s.name in ("dspark_replica_active_requests", "dspark_replica_total") and \
+                        s.labels.get("replica") == busy:
+                    vals[(s.name, tuple(sorted(s.labels.items())))] = s.value
         return vals, txt
 
     deadline = time.time() + 30
     while True:
         vals, txt = replica_metrics()
-        aborted = vals.get(f'dspark_replica_total{{replica="{busy}",counter="aborted"}}', 0)
-        active = vals.get(f'dspark_replica_active_requests{{replica="{busy}"}}', -1)
+        aborted = vals.get(("dspark_replica_total", (("counter", "aborted"), ("replica", busy))), 0)
+        active = vals.get(("dspark_replica_active_requests", (("replica", busy),)), -1)
         if aborted >= 1 and active == 0:
             break
         assert time.time() < deadline, f"abort not seen: {vals}"
