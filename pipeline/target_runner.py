@@ -104,6 +104,64 @@ class TargetOutput:
         return self.aux_hidden[self.token_offsets[r]:self.token_offsets[r + 1]]
 
 
+@dataclass
+class RaggedBatch:
+    """The host-side layout of one ragged forward over R requests with N new tokens in all (``plan_batch``).
+
+    Request r appends num_new[r] tokens to cache slot slots[r] (which holds starts[r] tokens) and gets logits for its
+    num_logits[r] trailing ones.  Flat token i (requests in order) is token_ids[i] at absolute position
+    positions[i] of slot token_slots[i]; in the [R, T_max] query grid of padded attention it sits at grid_index[i]
+    (= r * T_max + t).  Logits row j is the hidden state of flat token logit_rows[j].
+    """
+
+    slots: list  # [R] cache slot per request
+    starts: list  # [R] cache length before the forward
+    num_new: list  # [R] new tokens per request (>= 1)
+    num_logits: list  # [R] trailing new tokens that get logits
+    token_ids: list  # [N]
+    positions: list  # [N] absolute position per token
+    token_slots: list  # [N] cache slot per token
+    grid_index: list  # [N] row of the [R * T_max] padded query grid per token
+    logit_rows: list  # [M] flat token per logits row
+    token_offsets: list  # [R + 1] request r owns flat tokens token_offsets[r]:[r+1]
+    logit_offsets: list  # [R + 1] request r owns logits rows logit_offsets[r]:[r+1]
+
+    @property
+    def num_requests(self) -> int:  # R
+        return len(self.slots)
+
+    @property
+    def num_tokens(self) -> int:  # N
+        return len(self.token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:  # M
+        return len(self.logit_rows)
+
+    @property
+    def max_new(self) -> int:  # T_max
+        return max(self.num_new)
+
+    @property
+    def ends(self) -> list:  # [R] cache length after the forward
+        return [s + n for s, n in zip(self.starts, self.num_new)]
+
+    @property
+    def key_len(self) -> int:  # K_max: keys the attention reads per request (the longest end)
+        return max(self.ends)
+
+    @property
+    def ragged(self) -> bool:  # requests with different numbers of new tokens (the query grid has holes)
+        return self.max_new * self.num_requests != self.num_tokens
+
+
+def attention_mask(kidx: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """kidx [K] key positions, qpos [..., T] absolute query positions -> bool [..., T, K]: key j is visible to a query
+    at position p iff j <= p (and j > p - window with a sliding window)."""
+    m = kidx <= qpos[..., None]
+    return m & (kidx > qpos[..., None] - window) if window is not None else m
+
+
 class _Layer:
     __slots__ = ("ln1", "qkv", "q_norm", "k_norm", "o", "ln2", "gate_up", "down", "window")
 
@@ -240,6 +298,9 @@ class TargetRunner:
         self.source: str | None = None  # the HF folder when built by from_pretrained(path)
         # above this many padded attention scores per head (R * T_max * K_max) a ragged batch attends per request
         self.max_padded_scores = 1 << 20
+        # fixed-shape forward for the batches that fit its buckets (pipeline.cuda_graphs.StaticTargetForward; CUDA
+        # graphs on a GPU); None = every forward eager
+        self.static_forward = None
 
     # ------------------------------------------------------------------ construction
     def linear_weights(self) -> list:
@@ -348,33 +409,50 @@ class TargetRunner:
         aux_layer_ids: vLLM-convention layer ids whose hidden states are returned for all new tokens, concatenated
           in the given order along the feature axis.
         commit: False leaves the cache lengths unchanged (a pure scoring forward; the written K/V are then stale).
+
+        Phases: plan the ragged batch on the host (``plan_batch``), make room in the cache, run the layers (eagerly,
+        or through ``static_forward`` -- fixed-shape buckets, CUDA graphs on a GPU -- when one is attached and the
+        batch fits its buckets), then commit the new cache lengths.
         """
-        c = self.config
+        batch = self.plan_batch(slots, input_ids, logits_last)
+        aux_ids = self._check_aux_ids(aux_layer_ids)
+        self._ensure(max(batch.slots) + 1, batch.key_len)
+        static = self.static_forward
+        if static is not None and static.fits(batch):
+            out = static(batch, aux_ids)
+        else:
+            out = self._forward_eager(batch, aux_ids)
+        if commit:
+            for s, e in zip(batch.slots, batch.ends):
+                self.lengths[s] = e
+        return out
+
+    def plan_batch(self, slots: Sequence[int], input_ids: Sequence,
+                   logits_last: Sequence[int] | int | None = None) -> RaggedBatch:
+        """The host-side layout of one ragged forward (checks the request list; touches no tensor on the device)."""
         slots = [int(x) for x in slots]
         R = len(slots)
         if R == 0:
             raise ValueError("empty batch")
-        dev = self.device
         ids_l = [x.tolist() if isinstance(x, torch.Tensor) else list(x) for x in input_ids]
+        if len(ids_l) != R:
+            raise ValueError(f"{len(ids_l)} token lists for {R} slots")
         ns = [len(x) for x in ids_l]
         if min(ns) < 1:
             raise ValueError("every request needs at least one new token")
-        starts = [self.lengths[s] for s in slots]
         if len(set(slots)) != R:
             raise ValueError("a slot appears twice in one batch")
+        if min(slots) < 0:
+            raise ValueError(f"negative slot in {slots}")
+        starts = [self.lengths[s] if s < len(self.lengths) else 0 for s in slots]
         if logits_last is None:
             nl = ns
         elif isinstance(logits_last, int):
             nl = [min(logits_last, n) for n in ns]
         else:
             nl = [min(int(k), n) for k, n in zip(logits_last, ns)]
-        ends = [s + n for s, n in zip(starts, ns)]
-        Kmax, Tmax = max(ends), max(ns)
-        self._ensure(max(slots) + 1, Kmax)
-        cos_t, sin_t = self._rope(Kmax)
-        N = sum(ns)
-
-        # index bookkeeping in Python lists, moved to the device in one transfer
+        T = max(ns)
+        # index bookkeeping in Python lists (moved to the device in one transfer by the forward)
         flat_ids, pos, slot_of, pad_idx, out_rows = [], [], [], [], []
         tok_off, log_off = [0], [0]
         o = 0
@@ -383,38 +461,55 @@ class TargetRunner:
             flat_ids.extend(ids_l[r])
             pos.extend(range(st, st + n))
             slot_of.extend([s] * n)
-            pad_idx.extend(range(r * Tmax, r * Tmax + n))
+            pad_idx.extend(range(r * T, r * T + n))
             out_rows.extend(range(o + n - nl[r], o + n))
             o += n
             tok_off.append(o)
             log_off.append(log_off[-1] + nl[r])
-        ragged = Tmax * R != N
-        M = len(out_rows)
-        meta = torch.tensor(flat_ids + pos + slot_of + (pad_idx if ragged else []) + out_rows,
+        return RaggedBatch(slots=slots, starts=starts, num_new=ns, num_logits=nl, token_ids=flat_ids, positions=pos,
+                           token_slots=slot_of, grid_index=pad_idx, logit_rows=out_rows, token_offsets=tok_off,
+                           logit_offsets=log_off)
+
+    def _check_aux_ids(self, aux_layer_ids: Sequence[int]) -> list:
+        aux_ids = list(aux_layer_ids)
+        for a in aux_ids:
+            if not 0 <= a <= self.config.num_layers:
+                raise ValueError(f"aux layer id {a} outside [0, {self.config.num_layers}]")
+        return aux_ids
+
+    def _forward_eager(self, batch: RaggedBatch, aux_ids: list) -> TargetOutput:
+        """The layers over the flattened [N, d] tokens; attention padded to [R, T_max] x [R, K_max] (or per request)."""
+        c = self.config
+        dev = self.device
+        slots, starts, ns, ends = batch.slots, batch.starts, batch.num_new, batch.ends
+        R, N, M, Tmax, Kmax = batch.num_requests, batch.num_tokens, batch.num_logits_rows, batch.max_new, \
+            batch.key_len
+        tok_off = batch.token_offsets
+        ragged = batch.ragged
+        cos_t, sin_t = self._rope(Kmax)
+        meta = torch.tensor(batch.token_ids + batch.positions + batch.token_slots +
+                            (batch.grid_index if ragged else []) + batch.logit_rows,
                             dtype=torch.long).to(dev, non_blocking=True)
         ids_t, pos_t, slot_t = meta[:N], meta[N:2 * N], meta[2 * N:3 * N]
         rest = meta[3 * N:]
-        pad_t = rest[:N] if ragged else None
-        rows_t = rest[N:] if ragged else rest
+        pad_t = rest[:N] if ragged else None  # [N] row of each token in the [R * T_max] query grid
+        rows_t = rest[N:] if ragged else rest  # [M] token of each logits row
 
         # Attention layout.  'padded': one SDPA over [R, Tmax] queries x [R, Kmax] keys with an exact mask (decode /
         # verification batches).  'per_request': one SDPA per request (no padding) when padding would be large,
         # e.g. a long prompt prefilled together with short verification blocks.
         per_request = R > 1 and ragged and R * Tmax * Kmax > self.max_padded_scores
-        windows = {None if (ly.window is None or Kmax <= ly.window) else ly.window for ly in self.layers}
+        windows = {self._layer_window(ly, Kmax) for ly in self.layers}
         kidx = torch.arange(Kmax, device=dev)
-
-        def make_mask(qp: torch.Tensor, w):  # qp [..., T] absolute query positions -> bool [..., T, Kmax]
-            m = kidx <= qp[..., None]
-            return m & (kidx > qp[..., None] - w) if w is not None else m
 
         if not per_request:
             # key j visible to query t of request r iff j <= start_r + t (padded queries t >= n_r reuse the last real
             # position: always >= 1 visible key; their outputs are dropped)
             need_mask = not (R == 1 and Tmax == 1)
             qpos = torch.tensor([[st + min(t, n - 1) for t in range(Tmax)] for st, n in zip(starts, ns)],
-                                dtype=torch.long).to(dev, non_blocking=True)
-            masks = {w: (make_mask(qpos, w).unsqueeze(1) if (need_mask or w is not None) else None) for w in windows}
+                                dtype=torch.long).to(dev, non_blocking=True)  # [R, T_max]
+            masks = {w: (attention_mask(kidx, qpos, w).unsqueeze(1) if (need_mask or w is not None) else None)
+                     for w in windows}
         else:
             masks = {}
             for w in windows:
@@ -423,22 +518,19 @@ class TargetRunner:
                     if n == 1 and w is None:
                         per.append(None)  # one query sees the whole (cropped) cache
                     else:
-                        per.append(make_mask(torch.arange(st, st + n, device=dev), w)[None, None, :, :st + n])
+                        per.append(attention_mask(kidx, torch.arange(st, st + n, device=dev), w)
+                                   [None, None, :, :st + n])
                 masks[w] = per
-        layer_masks = [masks[None if (ly.window is None or Kmax <= ly.window) else ly.window] for ly in self.layers]
+        layer_masks = [masks[self._layer_window(ly, Kmax)] for ly in self.layers]
 
         contiguous_slots = slots == list(range(slots[0], slots[0] + R))
         slot_sel = None if contiguous_slots else torch.tensor(slots, dtype=torch.long, device=dev)
         s0 = slots[0]
 
-        H, KVH, hd, d = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         cos = cos_t[pos_t].unsqueeze(1)  # [N, 1, hd]
         sin = sin_t[pos_t].unsqueeze(1)
-        aux_ids = list(aux_layer_ids)
-        for a in aux_ids:
-            if not 0 <= a <= c.num_layers:
-                raise ValueError(f"aux layer id {a} outside [0, {c.num_layers}]")
         aux_out = {}
 
         x = self.embed[ids_t]  # [N, d]
@@ -446,16 +538,7 @@ class TargetRunner:
             aux_out[0] = x
         gqa = H != KVH
         for li, ly in enumerate(self.layers):
-            h = rms_norm(x, ly.ln1, eps)
-            qkv = ly.qkv(h)
-            q = qkv[:, :H * hd].view(N, H, hd)
-            k = qkv[:, H * hd:(H + KVH) * hd].view(N, KVH, hd)
-            v = qkv[:, (H + KVH) * hd:].view(N, KVH, hd)
-            if ly.q_norm is not None:
-                q = rms_norm(q, ly.q_norm, eps)
-                k = rms_norm(k, ly.k_norm, eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[slot_t, pos_t] = k
             vc[slot_t, pos_t] = v
@@ -471,7 +554,7 @@ class TargetRunner:
                 att = torch.cat(outs)
             else:
                 if slot_sel is None:
-                    K = kc[s0:s0 + R, :Kmax]
+                    K = kc[s0:s0 + R, :Kmax]  # [R, K_max, KVH, hd]
                     V = vc[s0:s0 + R, :Kmax]
                 else:
                     K = kc[slot_sel, :Kmax]
@@ -487,26 +570,53 @@ class TargetRunner:
                 att = att.transpose(1, 2).reshape(R * Tmax, H * hd)
                 if ragged:
                     att = att[pad_t]
-            x = x + ly.o(att)
-            h = rms_norm(x, ly.ln2, eps)
-            gu = ly.gate_up(h)
-            I = gu.shape[-1] // 2
-            x = x + ly.down(F.silu(gu[:, :I]) * gu[:, I:])
+            x = self._mlp_block(ly, x, att)
             if (li + 1) in aux_ids:
                 aux_out[li + 1] = x
 
         if M:
-            hl = x if (M == N and not ragged and out_rows == list(range(N))) else x[rows_t]
-            hl = rms_norm(hl.to(self.head_dtype), self.norm_head, eps) if self.head_dtype != self.dtype else \
-                rms_norm(hl, self.norm, eps)
-            logits = self.lm_head(hl).float()
+            hl = x if (M == N and not ragged and batch.logit_rows == list(range(N))) else x[rows_t]
+            logits = self._logits(hl)
         else:
             logits = x.new_zeros(0, c.vocab_size, dtype=torch.float32)
         aux = torch.cat([aux_out[a] for a in aux_ids], -1) if aux_ids else None
-        if commit:
-            for s, e in zip(slots, ends):
-                self.lengths[s] = e
-        return TargetOutput(logits=logits, logit_offsets=log_off, aux_hidden=aux, token_offsets=tok_off)
+        return TargetOutput(logits=logits, logit_offsets=batch.logit_offsets, aux_hidden=aux,
+                            token_offsets=tok_off)
+
+    # pieces of a decoder layer shared by the eager and the fixed-shape forward (pipeline/cuda_graphs.py)
+    @staticmethod
+    def _layer_window(ly: _Layer, key_len: int):
+        """The layer's sliding window, or None where it does not cut the keys [0, key_len)."""
+        return None if (ly.window is None or key_len <= ly.window) else ly.window
+
+    def _qkv(self, ly: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [N, d] -> q [N, H, hd], k / v [N, KVH, hd] (q/k normed where the model has it, RoPE applied)."""
+        c = self.config
+        H, KVH, hd, N = c.num_heads, c.num_kv_heads, c.head_dim, x.shape[0]
+        h = rms_norm(x, ly.ln1, c.rms_norm_eps)
+        qkv = ly.qkv(h)
+        q = qkv[:, :H * hd].view(N, H, hd)
+        k = qkv[:, H * hd:(H + KVH) * hd].view(N, KVH, hd)
+        v = qkv[:, (H + KVH) * hd:].view(N, KVH, hd)
+        if ly.q_norm is not None:
+            q = rms_norm(q, ly.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, ly.k_norm, c.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _mlp_block(self, ly: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Residual stream after the attention output ``att`` [N, H*hd] and the SwiGLU MLP: [N, d]."""
+        x = x + ly.o(att)
+        h = rms_norm(x, ly.ln2, self.config.rms_norm_eps)
+        gu = ly.gate_up(h)
+        I = gu.shape[-1] // 2
+        return x + ly.down(F.silu(gu[:, :I]) * gu[:, I:])
+
+    def _logits(self, hl: torch.Tensor) -> torch.Tensor:
+        """Residual stream rows [M, d] -> fp32 logits [M, V] (final norm + LM head in the head dtype)."""
+        eps = self.config.rms_norm_eps
+        hl = rms_norm(hl.to(self.head_dtype), self.norm_head, eps) if self.head_dtype != self.dtype else \
+            rms_norm(hl, self.norm, eps)
+        return self.lm_head(hl).float()
 
     __call__ = forward
 
