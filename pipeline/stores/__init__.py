@@ -2,7 +2,7 @@
 
     base.py      the sample layout, validation, the byte codec, the abstract store
     disk.py      DiskHiddenStore: Parquet shards, one row group per sample, manifest last
-    mooncake.py  MooncakeHiddenStore: keys <prefix>/<id>/<field> in a Mooncake store, header and manifest last
+    mooncake.py  MooncakeHiddenStore: one object <prefix>/<id> per sample in a Mooncake store, manifest last
 
 ``open_hidden_store`` picks the backend a stage config names.  The Mooncake client library is imported only when
 a Mooncake store is opened, so the disk path never needs it.

@@ -2,30 +2,46 @@
 
 Keys, for a store ``prefix``:
 
-    <prefix>/<sample_id>/<field>     raw tensor bytes (bf16 as its 16-bit pattern: bit-exact), one key per field
-    <prefix>/<sample_id>/header      JSON {n_tokens, fields: {name: [dtype, shape, nbytes]}} -- put LAST: a sample is
-                                     visible (get / done_ids) iff its header exists
+    <prefix>/<sample_id>             ONE object per sample: a small header then every tensor's raw bytes (layout
+                                     below).  A Mooncake object is visible only once its put completed, so a sample
+                                     is visible whole or not at all
     <prefix>/@index/<n>              writer registry: slot n holds a writer id (claimed first-wins)
     <prefix>/@index/<n>/ids          that writer's JSON {sample_id: n_tokens}, rewritten on flush()
     <prefix>/manifest                JSON, put LAST by commit(); removed again when a new sample is put
+
+Sample object layout (little-endian):
+
+    b"DSHS" | uint32 header length H | header JSON (H bytes) | zero padding to 64 | field bytes, each at a 64-byte
+    aligned offset.  header = {"n_tokens": T, "fields": {name: [dtype, shape, nbytes, offset]}}; bf16 travels as
+    its 16-bit pattern (bit-exact).  A 0-byte field (T == 0) has no bytes, only its header entry.
 
 Semantics match :class:`pipeline.stores.disk.DiskHiddenStore`: put() of an existing id is a no-op, get() of an
 unknown id raises KeyError, manifest() before commit raises StoreError, everything else fails with StoreError.
 Objects are hard-pinned: Mooncake never evicts them, a full store fails the put with an error.
 
-Memory: a store opened here contributes NO segment by default (``global_segment_size=0``): the memory is served by
-a long-lived segment server that ``actors.mooncake_master.MooncakeMaster`` starts beside the master, so data outlives
-the writer.  (A client's own segment, and every object in it, disappears when that client closes.)
+Where the bytes go.  ``actors.mooncake_master.MooncakeMaster`` runs, next to the master, a long-lived *segment
+server* (``mooncake_client``) that owns the store's memory, so data outlives its writer.  A store opened with that
+server's address (``endpoint.segment_server``, the default whenever the endpoint has one) is a thin client of it:
+its transfer buffers are POSIX shared memory the server maps as well, and a put or get is ONE memcpy inside the
+server between that shared memory and the segment - no socket carries the payload.  A get hands back tensors that
+are views of the shared memory it landed in (leased from :class:`pipeline.stores.mooncake_buffers.LeasePool`, reused
+once the caller drops them), so the reader copies nothing either.  With several segment servers (one per node),
+``endpoint.segment_name`` places a writer's objects in its own node's segment; a reader on another node then gets
+them through its own server, which fetches over the transfer engine (TCP): the only network crossing.  Without a
+segment server address the store falls back to a full client of its own (``global_segment_size`` of memory, 0 by
+default) whose every transfer crosses TCP to wherever the object lives.
 
-This module takes the endpoint as plain strings (``master_addr``, ``metadata_url``) -- any object with those
-attributes, a dict, or the MOONCAKE_MASTER_ADDR / MOONCAKE_METADATA_URL environment variables.
+This module takes the endpoint as plain strings (``master_addr``, ``metadata_url``, ``segment_server``,
+``segment_name``) -- any object with those attributes, a dict, or the MOONCAKE_* environment variables.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -35,15 +51,20 @@ import numpy as np
 import torch
 
 from pipeline.stores.base import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
-                                   tensor_to_bytes, validate_sample)
+                                   validate_sample)
+from pipeline.stores.mooncake_buffers import ALIGN, Arena, LeasePool, align_up
 from pipeline.runtime import LOOPBACK, apply_env
 
 ENV_MASTER_ADDR = "MOONCAKE_MASTER_ADDR"
 ENV_METADATA_URL = "MOONCAKE_METADATA_URL"
+ENV_SEGMENT_SERVER = "MOONCAKE_SEGMENT_SERVER"
+ENV_SEGMENT_NAME = "MOONCAKE_SEGMENT_NAME"
 
-HEADER = "header"
+MAGIC = b"DSHS"
+_PREAMBLE = struct.Struct("<4sI")  # magic, header length
 _DTYPE_NAME = {torch.int32: "int32", torch.uint8: "uint8", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _DTYPE = {v: k for k, v in _DTYPE_NAME.items()}
+_NP_OF = {torch.int32: np.int32, torch.uint8: np.uint8, torch.bfloat16: np.int16, torch.float32: np.float32}
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h) met through the Python binding's int returns.
 ERROR_NAMES = {
@@ -53,29 +74,104 @@ ERROR_NAMES = {
     -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED", -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
     -1700: "TENANT_QUOTA_EXCEEDED",
 }
-NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, RPC_FAIL = -200, -704, -900
+NO_AVAILABLE_HANDLE, INVALID_PARAMS, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS, RPC_FAIL = -200, -600, -704, -705, -900
 
 
-def _endpoint_strings(endpoint, master_addr, metadata_url) -> tuple[str, str]:
+def _endpoint_strings(endpoint, master_addr, metadata_url, segment_server, segment_name) -> tuple[str, str, str, str]:
     if endpoint is not None:
-        if isinstance(endpoint, dict):
-            master_addr, metadata_url = endpoint["master_addr"], endpoint["metadata_url"]
-        else:
-            master_addr, metadata_url = endpoint.master_addr, endpoint.metadata_url
+        get = endpoint.get if isinstance(endpoint, dict) else lambda k, d=None: getattr(endpoint, k, d)
+        master_addr, metadata_url = get("master_addr"), get("metadata_url")
+        segment_server = segment_server if segment_server is not None else get("segment_server", "")
+        segment_name = segment_name if segment_name is not None else get("segment_name", "")
     master_addr = master_addr or os.environ.get(ENV_MASTER_ADDR)
     metadata_url = metadata_url or os.environ.get(ENV_METADATA_URL)
+    if segment_server is None:
+        segment_server = os.environ.get(ENV_SEGMENT_SERVER, "")
+    if segment_name is None:
+        segment_name = os.environ.get(ENV_SEGMENT_NAME, "")
     if not master_addr or not metadata_url:
         raise StoreError("no Mooncake endpoint: pass endpoint= (actors.mooncake_master.MooncakeEndpoint), or "
                          f"master_addr= and metadata_url=, or set {ENV_MASTER_ADDR} and {ENV_METADATA_URL}")
-    return master_addr, metadata_url
+    return master_addr, metadata_url, segment_server or "", segment_name or ""
 
 
-def _tensor_view(t: torch.Tensor) -> np.ndarray:
-    """A uint8 numpy view of a contiguous CPU tensor's bytes (no copy; bf16 as its bit pattern)."""
-    t = t.detach().cpu().contiguous()
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise StoreError(f"expected host:port, got {addr!r}")
+    return host, int(port)
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a CPU tensor's bytes (a copy only if it is not contiguous; bf16 as its bit pattern)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return t.numpy().reshape(-1).view(np.uint8)
+
+
+class _Layout:
+    """Where each field of one sample sits in its object (see module doc)."""
+
+    def __init__(self, sample_id: str, tensors: dict[str, torch.Tensor]):
+        self.n_tokens = validate_sample(sample_id, tensors)
+        names = list(TENSOR_FIELDS) + [n for n in OPTIONAL_FIELDS if n in tensors]
+        self.views = [_as_bytes(tensors[n]) for n in names]
+        fields, sizes = {}, [v.nbytes for v in self.views]
+        # header offsets depend on the header's own length: lay out once with a generous guess, then fix
+        guess = 0
+        while True:
+            off = align_up(_PREAMBLE.size + guess)
+            self.offsets = []
+            for n, nb in zip(names, sizes):
+                fields[n] = [_DTYPE_NAME[tensors[n].dtype], list(tensors[n].shape), nb, off]
+                self.offsets.append(off)
+                off = align_up(off + nb)
+            header = json.dumps({"n_tokens": self.n_tokens, "fields": fields}, separators=(",", ":")).encode()
+            if align_up(_PREAMBLE.size + len(header)) == align_up(_PREAMBLE.size + guess):
+                break
+            guess = len(header)
+        self.header = _PREAMBLE.pack(MAGIC, len(header)) + header
+        self.nbytes = max(self.offsets[-1] + sizes[-1], len(self.header)) if sizes else len(self.header)
+
+    def write_into(self, dst: np.ndarray) -> None:
+        """Copy header and fields into ``dst`` (uint8, >= nbytes)."""
+        dst[:len(self.header)] = np.frombuffer(self.header, dtype=np.uint8)
+        for off, v in zip(self.offsets, self.views):
+            dst[off:off + v.nbytes] = v
+
+    def to_bytes(self) -> bytes:
+        out = np.zeros(self.nbytes, dtype=np.uint8)
+        self.write_into(out)
+        return out.tobytes()
+
+
+def _decode(key: str, buf: np.ndarray, copy: bool) -> dict[str, torch.Tensor]:
+    """The tensors of one sample object in ``buf`` (uint8).  copy=False: views of ``buf`` (they keep it alive)."""
+    if buf.nbytes < _PREAMBLE.size:
+        raise StoreError(f"{key}: object of {buf.nbytes} bytes is not a hidden-state sample")
+    magic, hlen = _PREAMBLE.unpack(buf[:_PREAMBLE.size].tobytes())
+    if magic != MAGIC or _PREAMBLE.size + hlen > buf.nbytes:
+        raise StoreError(f"{key}: not a hidden-state sample object (bad magic / header length)")
+    header = json.loads(buf[_PREAMBLE.size:_PREAMBLE.size + hlen].tobytes())
+    out = {}
+    for name, (dt, shape, nb, off) in header["fields"].items():
+        dtype = _DTYPE[dt]
+        if nb == 0:
+            out[name] = torch.empty(tuple(shape), dtype=dtype)
+            continue
+        if off + nb > buf.nbytes:
+            raise StoreError(f"{key}: field {name} runs past the end of the object ({off + nb} > {buf.nbytes})")
+        raw = buf[off:off + nb]
+        if copy:
+            out[name] = tensor_from_bytes(raw, dtype, shape)
+        else:
+            t = torch.from_numpy(raw.view(_NP_OF[dtype]).reshape(shape))
+            out[name] = t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+    return out
 
 
 class MooncakeHiddenStore(HiddenStateStore):
@@ -83,26 +179,32 @@ class MooncakeHiddenStore(HiddenStateStore):
 
     prefix              namespace of this store's keys (e.g. "hs/run1"); must not end with "/".
     endpoint            MooncakeEndpoint / dict / None (then master_addr+metadata_url or the environment).
-    global_segment_size memory THIS client contributes to the store (default 0: use the master's segment server;
-                        objects placed in this client's segment vanish when it closes).
-    local_buffer_size   this client's transfer buffer (bounds one non-zero-copy batch).
-    zero_copy           True: transfers go through a registered staging buffer (batch_put_from / batch_get_into);
-                        False: put_batch / get_batch of bytes (the simple path).  Both are bit-exact.
-    staging_bytes       initial size of that buffer; grows to fit the largest sample.
+    segment_server      "host:port" of the segment server to work through (default: the endpoint's); "" = none,
+                        then this store is a full client of its own (every transfer over TCP).
+    segment_name        the segment new samples are placed in (default: the endpoint's; "" = the master chooses).
+    global_segment_size memory a full client contributes (default 0; objects in it vanish when it closes).
+    local_buffer_size   the client's own transfer buffer (carries the small JSON objects and zero_copy=False gets).
+    zero_copy           True: samples travel through registered buffers (batch_put_from / batch_get_into), and a
+                        get returns views of the buffer it landed in; False: put_batch / get_batch of bytes and
+                        fresh tensors.  Both are bit-exact and read each other's objects.
+    read_pool_bytes     the first arena of the get buffer pool (it grows while callers hold on to tensors).
     writer_id           name of this writer's index (default: unique per instance); reuse one to resume its index.
     index_every         rewrite this writer's index every n puts (and on flush / commit / close).
-    connect_timeout_s   how long to wait for the master's TCP port before failing (setup itself blocks ~90 s on an
-                        absent master, so it is probed first).
+    connect_timeout_s   how long to wait for the master's (and segment server's) TCP port before failing (setup
+                        itself blocks ~90 s on an absent master, so it is probed first).
     """
 
     def __init__(self, prefix: str, endpoint=None, *, master_addr: str | None = None, metadata_url: str | None = None,
-                 global_segment_size: int = 0, local_buffer_size: int = 64 << 20, zero_copy: bool = True,
-                 staging_bytes: int = 16 << 20, writer_id: str | None = None, index_every: int = 64,
-                 hard_pin: bool = True, connect_timeout_s: float = 10.0, local_hostname: str = LOOPBACK):
+                 segment_server: str | None = None, segment_name: str | None = None, global_segment_size: int = 0,
+                 local_buffer_size: int = 16 << 20, zero_copy: bool = True, read_pool_bytes: int = 32 << 20,
+                 writer_id: str | None = None, index_every: int = 64, hard_pin: bool = True,
+                 connect_timeout_s: float = 10.0, local_hostname: str = LOOPBACK):
         if not prefix or prefix.endswith("/"):
             raise StoreError(f"prefix must be non-empty and not end with '/', got {prefix!r}")
         self.prefix = prefix
-        self.master_addr, self.metadata_url = _endpoint_strings(endpoint, master_addr, metadata_url)
+        self.master_addr, self.metadata_url, self.segment_server, self.segment_name = _endpoint_strings(
+            endpoint, master_addr, metadata_url, segment_server, segment_name)
+        self.via_segment_server = bool(self.segment_server) and not global_segment_size
         self.zero_copy = zero_copy
         self.index_every = max(1, index_every)
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -110,27 +212,39 @@ class MooncakeHiddenStore(HiddenStateStore):
         self._mine: dict[str, int] = {}  # sample id -> n_tokens, put (or found) by this instance
         self._index_dirty = 0
         self._slot: int | None = None
-        self._staging: torch.Tensor | None = None
-        self._staging_want = staging_bytes
-        self._closed = False
+        self._staging: Arena | None = None
+        self._read_pool_bytes = read_pool_bytes
+        self._pool: LeasePool | None = None
+        self._size_guess = 1 << 20  # first guess of an object's size for a get; tracks the largest seen
+        self._closed = True
 
         apply_env()  # MC_TCP_BIND_ADDRESS=127.0.0.1 etc. before the transfer engine starts
-        host, _, port = self.master_addr.rpartition(":")
-        self._check_reachable(host, int(port), connect_timeout_s)
+        self._check_reachable("master", self.master_addr, connect_timeout_s)
+        if self.via_segment_server:
+            self._check_reachable("segment server", self.segment_server, connect_timeout_s)
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(local_hostname, self.metadata_url, int(global_segment_size), int(local_buffer_size),
-                               "tcp", "", self.master_addr)
+        if self.via_segment_server:
+            rc = self._store.setup_dummy(int(local_buffer_size), int(local_buffer_size), self.segment_server)
+            where = f"segment server {self.segment_server}"
+        else:
+            rc = self._store.setup(local_hostname, self.metadata_url, int(global_segment_size),
+                                   int(local_buffer_size), "tcp", "", self.master_addr)
+            where = f"master {self.master_addr}, metadata {self.metadata_url}"
         if rc != 0:
-            raise StoreError(f"Mooncake setup failed (rc={rc}) for master {self.master_addr}, metadata "
-                             f"{self.metadata_url}: is the master running (actors.mooncake_master.MooncakeMaster)?")
+            raise StoreError(f"Mooncake setup failed (rc={rc}) for {where}: is the master running "
+                             "(actors.mooncake_master.MooncakeMaster)?")
+        self._closed = False
         self._cfg = ReplicateConfig()
         self._cfg.replica_num = 1
         if hard_pin:
             self._cfg.with_hard_pin = True
+        if self.segment_name:
+            self._cfg.preferred_segment = self.segment_name
 
-    def _check_reachable(self, host: str, port: int, timeout: float):
+    def _check_reachable(self, what: str, addr: str, timeout: float):
+        host, port = _split(addr)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -138,13 +252,13 @@ class MooncakeHiddenStore(HiddenStateStore):
                     return
             except OSError as e:
                 if time.monotonic() > deadline:
-                    raise StoreError(f"Mooncake master unreachable at {self.master_addr} ({e}); start one with "
+                    raise StoreError(f"Mooncake {what} unreachable at {addr} ({e}); start one with "
                                      "actors.mooncake_master.MooncakeMaster or check the endpoint") from None
                 time.sleep(0.2)
 
     # ---- keys / errors ----------------------------------------------------------------------------------------
-    def _key(self, sample_id: str, field: str) -> str:
-        return f"{self.prefix}/{sample_id}/{field}"
+    def _key(self, sample_id: str) -> str:
+        return f"{self.prefix}/{sample_id}"
 
     @property
     def manifest_key(self) -> str:
@@ -158,8 +272,10 @@ class MooncakeHiddenStore(HiddenStateStore):
         if rc == NO_AVAILABLE_HANDLE:
             hint = ("the Mooncake store is FULL (no segment has room; objects are hard-pinned and never evicted): "
                     "start the master with a larger segment_bytes, or drop() finished stores")
-        elif rc in (RPC_FAIL, -901):
-            hint = f"the Mooncake master at {self.master_addr} is unreachable"
+        elif rc in (RPC_FAIL, -901, -1):
+            hint = (f"the Mooncake master at {self.master_addr}"
+                    + (f" or the segment server at {self.segment_server}" if self.via_segment_server else "")
+                    + (" is unreachable" if rc != -1 else " may have gone away"))
         else:
             hint = name
         return StoreError(f"{what}: Mooncake error {rc} ({name}) - {hint}")
@@ -183,62 +299,78 @@ class MooncakeHiddenStore(HiddenStateStore):
             raise StoreError(f"{key}: exists but could not be read")
         return None
 
-    def _staging_buf(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        if self._staging is None or self._staging.numel() < nbytes:
+    # ---- registered memory --------------------------------------------------------------------------------------
+    def _alloc_arena(self, nbytes: int) -> Arena:
+        """``nbytes`` of memory registered with this client (shared with the segment server when there is one)."""
+        if self.via_segment_server:
+            addr = self._store.alloc_from_mem_pool(nbytes)
+            if not addr:
+                raise StoreError(f"could not allocate {nbytes} bytes of shared memory for Mooncake transfers")
+            owner = None  # mapped until the process exits (tensors handed out may outlive this store)
+            view = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+        else:
+            owner = torch.empty(nbytes, dtype=torch.uint8)
+            addr, view = owner.data_ptr(), owner.numpy()
+        rc = self._store.register_buffer(addr, nbytes)
+        if rc != 0:
+            raise self._err(f"register_buffer({nbytes})", rc)
+        return Arena(addr, nbytes, view, owner)
+
+    def _staging_for(self, nbytes: int) -> Arena:
+        if self._staging is None or self._staging.nbytes < nbytes:
             if self._staging is not None:
-                self._store.unregister_buffer(self._staging.data_ptr())
-            size = max(self._staging_want, 1 << (max(nbytes, 1) - 1).bit_length())
-            buf = torch.empty(size, dtype=torch.uint8)
-            rc = self._store.register_buffer(buf.data_ptr(), size)
-            if rc != 0:
-                raise self._err(f"register_buffer({size})", rc)
-            self._staging = buf
-        return self._staging, self._staging.data_ptr()
+                self._store.unregister_buffer(self._staging.addr)
+                self._staging = None
+            self._staging = self._alloc_arena(max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length()))
+        return self._staging
+
+    def _read_pool(self) -> LeasePool:
+        if self._pool is None:
+            self._pool = LeasePool(self._alloc_arena, self._read_pool_bytes)
+        return self._pool
 
     # ---- writer -------------------------------------------------------------------------------------------------
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
-        T = validate_sample(sample_id, tensors)
-        self._check_sid(sample_id)
+        self.put_many([(sample_id, tensors)])
+
+    def put_many(self, samples: Iterable[tuple[str, dict[str, torch.Tensor]]]) -> None:
+        """Put several samples in one batched transfer (each still visible whole or not at all)."""
+        todo: dict[str, _Layout] = {}
+        for sid, tensors in samples:
+            layout = _Layout(sid, tensors)
+            self._check_sid(sid)
+            if sid not in todo:
+                todo[sid] = layout
         with self._lock:
-            if sample_id in self._mine or self._exists(self._key(sample_id, HEADER)):
-                self._mine.setdefault(sample_id, T)
+            for sid in [s for s in todo if s in self._mine]:
+                del todo[sid]  # already put by this instance: no-op
+            if not todo:
                 return
-            names = list(TENSOR_FIELDS) + [n for n in OPTIONAL_FIELDS if n in tensors]
-            all_views = [_tensor_view(tensors[n]) for n in names]
-            all_sizes = [v.nbytes for v in all_views]
-            # Mooncake refuses empty objects: a 0-byte field (T == 0) lives in the header only.
-            nz = [i for i, nb in enumerate(all_sizes) if nb]
-            keys = [self._key(sample_id, names[i]) for i in nz]
-            views = [all_views[i] for i in nz]
-            sizes = [all_sizes[i] for i in nz]
-            # Fields are UPSERTED: leftovers of a writer that died before the header are overwritten.
-            if not keys:
-                pass
-            elif self.zero_copy:
-                buf, base = self._staging_buf(sum(sizes))
-                flat = buf.numpy()
-                ptrs, off = [], 0
-                for v in views:
-                    flat[off:off + v.nbytes] = v
-                    ptrs.append(base + off)
-                    off += v.nbytes
-                rcs = self._store.batch_upsert_from(keys, ptrs, sizes, self._cfg)
-                bad = [(k, r) for k, r in zip(keys, rcs) if r != 0]
+            sids, layouts = list(todo), list(todo.values())
+            keys = [self._key(s) for s in sids]
+            # Mooncake's put of an existing key leaves the stored object as it is: re-putting is a no-op
+            if self.zero_copy:
+                offs, total = [], 0
+                for lay in layouts:
+                    offs.append(total)
+                    total = align_up(total + lay.nbytes, ALIGN)
+                buf = self._staging_for(total)
+                for lay, off in zip(layouts, offs):
+                    lay.write_into(buf.view[off:off + lay.nbytes])
+                rcs = self._store.batch_put_from(keys, [buf.addr + o for o in offs], [lay.nbytes for lay in layouts],
+                                                 self._cfg)
+                bad = [(k, r) for k, r in zip(keys, rcs) if r not in (0, OBJECT_ALREADY_EXISTS)]
                 if bad:
-                    raise self._err(f"put {sample_id}: {bad[0][0]}", bad[0][1])
+                    raise self._err(f"put {bad[0][0]}", bad[0][1])
             else:
-                rc = self._store.upsert_batch(keys, [tensor_to_bytes(tensors[names[i]]) for i in nz], self._cfg)
-                if rc != 0:
-                    raise self._err(f"put {sample_id}", rc)
-            header = {"n_tokens": T, "fields": {n: [_DTYPE_NAME[tensors[n].dtype], list(tensors[n].shape), s]
-                                                for n, s in zip(names, all_sizes)}}
-            rc = self._store.put(self._key(sample_id, HEADER), json.dumps(header).encode(), self._cfg)  # LAST
-            if rc != 0:
-                raise self._err(f"put {sample_id} header", rc)
-            self._mine[sample_id] = T
+                rc = self._store.put_batch(keys, [lay.to_bytes() for lay in layouts], self._cfg)
+                if rc not in (0, OBJECT_ALREADY_EXISTS):
+                    raise self._err(f"put {keys[0]}" + (f" (+{len(keys) - 1} more)" if len(keys) > 1 else ""), rc)
+            for sid, lay in zip(sids, layouts):
+                self._mine[sid] = lay.n_tokens
             if self._index_dirty == 0:  # the store changed: an older manifest no longer describes it
                 self._store.remove(self.manifest_key, True)
-            self._index_dirty += 1
+            self._index_dirty += len(sids)
             if self._index_dirty >= self.index_every:
                 self._write_index()
 
@@ -312,13 +444,14 @@ class MooncakeHiddenStore(HiddenStateStore):
         return ids
 
     def done_ids(self) -> set[str]:
-        """Samples whose header exists (a sample put after its writer's last index write is re-put as a no-op)."""
+        """Indexed samples whose object exists (a sample put after its writer's last index write is re-put as a
+        no-op)."""
         with self._lock:
             index = self._index()
             if not index:
                 return set()
             sids = list(index)
-            ex = self._store.batch_is_exist([self._key(s, HEADER) for s in sids])
+            ex = self._store.batch_is_exist([self._key(s) for s in sids])
             if any(r < 0 for r in ex):
                 raise self._err("done_ids", min(ex))
             return {s for s, r in zip(sids, ex) if r == 1}
@@ -344,80 +477,47 @@ class MooncakeHiddenStore(HiddenStateStore):
                              "finished (commit() not called)")
         return json.loads(b)
 
-    def _headers(self, sample_ids: list[str]) -> list[dict]:
-        keys = [self._key(s, HEADER) for s in sample_ids]
-        out = []
-        for sid, k, b in zip(sample_ids, keys, self._store.get_batch(keys)):
-            if not b:
-                if self._exists(k):
-                    raise StoreError(f"sample {sid!r}: header exists but could not be read")
-                raise KeyError(f"sample {sid!r} not in Mooncake store {self.prefix!r}")
-            out.append(json.loads(bytes(b)))
-        return out
-
     def get(self, sample_id: str) -> dict[str, torch.Tensor]:
         return self.get_many([sample_id])[0]
 
     def get_many(self, sample_ids: list[str]) -> list[dict[str, torch.Tensor]]:
-        """Several samples in batched transfers (as many per transfer as the staging buffer holds)."""
+        """Several samples in one batched transfer.  zero_copy: the tensors are views of leased shared memory."""
         if not sample_ids:
             return []
         for s in sample_ids:
             if not isinstance(s, str) or not s:
                 raise KeyError(f"sample {s!r} not in Mooncake store {self.prefix!r}")
+        keys = [self._key(s) for s in sample_ids]
         with self._lock:
-            headers = self._headers(list(sample_ids))
-            out: list[dict[str, torch.Tensor]] = []
-            i = 0
-            while i < len(sample_ids):  # group samples so that a group fits the staging buffer
-                j, total = i, 0
-                cap = max(self._staging_want, self._staging.numel() if self._staging is not None else 0)
-                while j < len(sample_ids):
-                    nb = sum(f[2] for f in headers[j]["fields"].values())
-                    if j > i and total + nb > cap:
-                        break
-                    total += nb
-                    j += 1
-                out += self._fetch(sample_ids[i:j], headers[i:j], total)
-                i = j
+            if not self.zero_copy:
+                out = []
+                for sid, k, b in zip(sample_ids, keys, self._store.get_batch(keys)):
+                    if not b:
+                        self._raise_missing(sid, k, OBJECT_NOT_FOUND)
+                    out.append(_decode(k, np.frombuffer(b, dtype=np.uint8), copy=True))
+                return out
+            pool = self._read_pool()
+            leases = [pool.lease(self._size_guess) for _ in keys]
+            rcs = self._store.batch_get_into(keys, [le.addr for le in leases], [le.nbytes for le in leases])
+            out = []
+            for sid, k, le, rc in zip(sample_ids, keys, leases, rcs):
+                if rc == INVALID_PARAMS:  # the buffer was too small for this object: size it, then fetch alone
+                    size = self._store.get_size(k)
+                    if size < 0:
+                        self._raise_missing(sid, k, size)
+                    self._size_guess = max(self._size_guess, align_up(size))
+                    le = pool.lease(size)
+                    rc = self._store.batch_get_into([k], [le.addr], [le.nbytes])[0]
+                if rc < 0:
+                    self._raise_missing(sid, k, rc)
+                le.shrink(rc)
+                out.append(_decode(k, le.array()[:rc], copy=False))
             return out
 
-    def _fetch(self, sids: list[str], headers: list[dict], total: int) -> list[dict[str, torch.Tensor]]:
-        keys, sizes, specs = [], [], []
-        res: dict[str, dict[str, torch.Tensor]] = {s: {} for s in sids}
-        for sid, h in zip(sids, headers):
-            for name, (dt, shape, nb) in h["fields"].items():
-                if nb == 0:  # never stored (Mooncake has no empty objects)
-                    res[sid][name] = torch.empty(tuple(shape), dtype=_DTYPE[dt])
-                    continue
-                keys.append(self._key(sid, name))
-                sizes.append(nb)
-                specs.append((sid, name, _DTYPE[dt], tuple(shape)))
-        if not keys:
-            datas = []
-        elif self.zero_copy:
-            buf, base = self._staging_buf(total)
-            flat = buf.numpy()
-            offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist()
-            rcs = self._store.batch_get_into(keys, [base + o for o in offs], sizes)
-            for k, r, nb in zip(keys, rcs, sizes):
-                if r != nb:
-                    raise self._missing(k, r if r < 0 else OBJECT_NOT_FOUND, f"got {r} of {nb} bytes")
-            datas = [flat[o:o + nb] for o, nb in zip(offs, sizes)]
-        else:
-            datas = self._store.get_batch(keys)
-            for k, d, nb in zip(keys, datas, sizes):
-                if len(d) != nb:
-                    raise self._missing(k, OBJECT_NOT_FOUND, f"got {len(d)} of {nb} bytes")
-        for (sid, name, dtype, shape), d in zip(specs, datas):
-            res[sid][name] = tensor_from_bytes(d, dtype, shape)  # copies out of the staging buffer
-        return [res[s] for s in sids]
-
-    def _missing(self, key: str, rc: int, detail: str) -> StoreError:
+    def _raise_missing(self, sid: str, key: str, rc: int):
         if rc == OBJECT_NOT_FOUND:
-            return StoreError(f"{key}: header present but tensor missing ({detail}) - removed or lost with a "
-                              "segment that went away")
-        return self._err(f"get {key} ({detail})", rc)
+            raise KeyError(f"sample {sid!r} not in Mooncake store {self.prefix!r}")
+        raise self._err(f"get {key}", rc)
 
     def iter_samples(self, ids: Iterable[str] | None = None, batch: int = 8
                      ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -446,10 +546,7 @@ class MooncakeHiddenStore(HiddenStateStore):
                 self.flush()
             finally:
                 self._closed = True
-                if self._staging is not None:
-                    self._store.unregister_buffer(self._staging.data_ptr())
-                    self._staging = None
-                self._store.close()
+                self._store.close()  # shared memory stays mapped here: tensors handed out stay valid
 
     def __del__(self):
         try:
