@@ -31,9 +31,13 @@ from typing import Iterable, Sequence
 
 import torch
 
-from pipeline.rejection_sampler import RejectionSampler
+from pipeline.cuda_graphs import StaticDraftProposer, StaticShapes, StaticTargetForward
+from pipeline.dspark.checkpoint import load_drafter
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.rejection_sampler import RejectionSampler, VerifyResult
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import CostTable, VerificationScheduler, make_scheduler
+from pipeline.target_runner import TargetOutput
 
 METHODS = ("dspark", "dflash", None)
 
@@ -55,6 +59,9 @@ class SpecConfig:
     sts_temperatures: list | None = None
     async_lag: int = 2
     seed: int = 0  # engine RNG for requests without their own seed
+    # capture the drafting round (DSparkDrafter) and the verification forward in CUDA graphs, one per padded
+    # (rows, tokens) bucket (pipeline/cuda_graphs.py); needs a CUDA target, the CPU path never uses them
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -174,10 +181,44 @@ class EngineTimers:
         return d
 
 
+@dataclass
+class RoundProposal:
+    """What the drafter proposed in one round for the R_d drafted requests (rows in proposal order)."""
+
+    tokens: torch.Tensor  # [R_d, γ] int64 target ids, on the CPU
+    q: torch.Tensor | None  # [R_d, γ, V_d] fp32 draft distributions (None = deterministic proposals)
+    conf: torch.Tensor | None  # [R_d, γ] fp32 confidence logits on the CPU, or None
+    draft_ids: torch.Tensor | None  # [V_d] target id of each draft index
+    rows: dict  # request id -> its row of tokens / q / conf
+
+
+@dataclass
+class RoundBatch:
+    """One engine round over R active requests: the P prefilling requests first, then the decoding ones (each group
+    in arrival order).  Every per-request list is [R], indexed like ``requests``; the phases fill it in order."""
+
+    requests: list  # [R] _Request
+    num_prefill: int  # P
+    # plan depths
+    max_depth: list = field(default_factory=list)  # [R] cap on L_r (budget, cache room, γ); 0 for prefill
+    depths: list = field(default_factory=list)  # [R] L_r verified drafts (0: prefill, undrafted)
+    drafted: list = field(default_factory=list)  # indices into `requests` that were drafted, in scheduler order
+    proposal: RoundProposal | None = None
+    q_rows: list = field(default_factory=list)  # [R] row of `proposal` per request, -1 when not drafted
+    round_conf: dict = field(default_factory=dict)  # request id -> confidence logits [depth_cap] (record_rounds)
+    propose_s: float = 0.0
+    # build the forward
+    inputs: list = field(default_factory=list)  # [R] token lists: the prompt, or [x_0, x_1..x_L]
+    num_logits: list = field(default_factory=list)  # [R] logits rows: 1 (prefill) or L_r + 1
+    starts: list = field(default_factory=list)  # [R] target cache length before the forward (n)
+    target_out: TargetOutput | None = None
+    target_s: float = 0.0
+    # verify
+    result: VerifyResult | None = None  # m_r and the m_r + 1 tokens per request
+
+
 def _load_drafter(spec: SpecConfig, target):
     """spec.model (an exported drafter folder) -> drafter, re-attached to the target's frozen embedding / LM head."""
-    from pipeline.dspark.checkpoint import load_drafter
-
     source = getattr(target, "source", None)
     if source is None:
         raise ValueError("loading spec_config.model needs a TargetRunner built from an HF folder "
@@ -240,6 +281,20 @@ class SpeculativeEngine:
         # the drafter produced for that round (STS-scaled when the drafter has temperatures), or None.
         self.record_rounds = False
         self.round_log: list[dict] = []
+        self._static_draft: StaticDraftProposer | None = None  # use_static_shapes; else drafter.propose
+        if self.spec.cuda_graphs:
+            if self.target.device.type != "cuda":
+                raise ValueError(f"cuda_graphs needs a CUDA target, this one runs on {self.target.device}")
+            self.use_static_shapes(capture=True)
+
+    def use_static_shapes(self, capture: bool, shapes: StaticShapes | None = None) -> None:
+        """Run the forwards that fit ``shapes``' buckets (and a DSparkDrafter's drafting rounds) padded to fixed
+        shapes; ``capture`` records each bucket in a CUDA graph (CUDA only), without it the padded computation runs
+        eagerly (how the CPU tests check padding against the ragged path)."""
+        shapes = shapes or StaticShapes(max_tokens=self.depth_cap + 1)
+        self.target.static_forward = StaticTargetForward(self.target, shapes, capture=capture)
+        if isinstance(self.drafter, DSparkDrafter):
+            self._static_draft = StaticDraftProposer(self.drafter, shapes, capture=capture)
 
     # ------------------------------------------------------------------ request management
     def add_request(self, prompt, params: SamplingParams | None = None, max_tokens: int = 16,
@@ -307,101 +362,131 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One round for every active request.  Returns an output for each request that got tokens or finished;
-        finished requests are removed (their caches freed)."""
+        finished requests are removed (their caches freed).
+
+        Phases over one RoundBatch: plan the depths (draft + schedule), build and run the target forward, verify
+        (rejection sampler), commit (statistics, stop handling, cache rollback)."""
         t_start = time.perf_counter()
         reqs = sorted(self.requests.values(), key=lambda r: r.arrival)
         if not reqs:
             return []
         prefill = [r for r in reqs if not r.prefilled]
-        decode = [r for r in reqs if r.prefilled]
-        T = self.target
+        batch = RoundBatch(requests=prefill + [r for r in reqs if r.prefilled], num_prefill=len(prefill))
+        self._plan_depths(batch)
+        self._run_target(batch)
+        self._verify(batch)
+        outputs = self._commit(batch)
+        # the drafter context is extended only before a round that drafts (a skipped round costs no drafter time);
+        # a long backlog is folded in anyway to bound its memory
+        backlog = [r for r in self.requests.values() if len(r.pending_ctx) >= self.MAX_PENDING_CONTEXT]
+        if backlog:
+            t2 = time.perf_counter()
+            self._flush_context(backlog)
+            self.timers.draft_s += time.perf_counter() - t2
+        self.timers.steps += 1
+        round_s = time.perf_counter() - t_start
+        self.timers.total_s += round_s
+        if not batch.num_prefill:  # what a decode round costs, for cost-aware schedulers (prefill is not typical)
+            self.scheduler.observe_round(len(batch.drafted), batch.propose_s, sum(len(x) for x in batch.inputs),
+                                         batch.target_s, round_s)
+        return outputs
 
-        # --- draft + schedule ---------------------------------------------------------------------------------
-        depths: dict[str, int] = {}
-        round_conf: dict[str, list] = {}
-        prop_tokens = prop_q = draft_ids = None
-        propose_s = 0.0
-        q_row: dict[str, int] = {}
-        max_depth = {}
-        for r in decode:
+    def _plan_depths(self, batch: "RoundBatch") -> None:
+        """Depth caps (remaining budget, cache room), the drafting decision, the proposal and the scheduler's L_r."""
+        T = self.target
+        P = batch.num_prefill
+        R = len(batch.requests)
+        batch.max_depth = [0] * R
+        batch.depths = [0] * R
+        batch.q_rows = [-1] * R
+        for i in range(P, R):
+            r = batch.requests[i]
             md = min(self.depth_cap, r.max_tokens - len(r.output_ids) - 1, self.max_model_len - T.length(r.slot) - 1)
-            max_depth[r.request_id] = max(0, md)
-            depths[r.request_id] = 0
-        spec = [r for r in decode if max_depth[r.request_id] > 0] if self.drafter is not None else []
+            batch.max_depth[i] = max(0, md)
+        spec = [i for i in range(P, R) if batch.max_depth[i] > 0] if self.drafter is not None else []
         # a seeded sampling request's random stream must not depend on the batch it shares: skipping the drafting
         # round (a batch-level decision) would change what it consumes, so such a round drafts anyway
         if (spec and not self.scheduler.draft_this_round(len(spec))
-                and not any(r.seeded_sampling for r in spec)):
+                and not any(batch.requests[i].seeded_sampling for i in spec)):
             self.timers.skipped_drafts += 1
             spec = []
-        if spec:
-            t0 = time.perf_counter()
-            prop_tokens, prop_q, conf, draft_ids, q_row = self._propose(spec)
-            t1 = time.perf_counter()
-            propose_s = t1 - t0
-            self.timers.draft_s += propose_s
-            conf_rows = None
-            if conf is not None:
-                conf_rows = conf[torch.tensor([q_row[r.request_id] for r in spec])][:, :self.depth_cap]
-            ds = self.scheduler.schedule(conf_rows, [max_depth[r.request_id] for r in spec])
-            round_conf = ({r.request_id: conf_rows[j].tolist() for j, r in enumerate(spec)}
-                          if self.record_rounds and conf_rows is not None else {})
-            for r, d in zip(spec, ds):
-                if r.seeded_sampling:
-                    # a seeded sampling request is verified at full depth (vLLM's fixed num_speculative_tokens): its
-                    # random stream, hence its output, then depends on its seed only, not on the batch or the load
-                    d = max_depth[r.request_id]
-                depths[r.request_id] = int(min(d, max_depth[r.request_id]))
-            self.timers.schedule_s += time.perf_counter() - t1
-
-        # --- one target forward -------------------------------------------------------------------------------
-        batch = prefill + decode
-        slots, inputs, nlog, starts = [], [], [], []
-        tok_cpu = prop_tokens.tolist() if prop_tokens is not None else None
-        for r in prefill:
-            slots.append(r.slot)
-            inputs.append(r.prompt_ids)
-            nlog.append(1)
-            starts.append(0)
-        for r in decode:
-            L = depths[r.request_id]
-            x0 = r.output_ids[-1]
-            slots.append(r.slot)
-            inputs.append([x0] + (tok_cpu[q_row[r.request_id]][:L] if L else []))
-            nlog.append(L + 1)
-            starts.append(T.length(r.slot))
+        batch.drafted = spec
+        if not spec:
+            return
         t0 = time.perf_counter()
-        out = T.forward(slots, inputs, logits_last=nlog, aux_layer_ids=self.aux_layer_ids)
+        prop = self._propose([batch.requests[i] for i in spec])
         t1 = time.perf_counter()
-        target_s = t1 - t0
-        self.timers.target_s += target_s
+        batch.propose_s = t1 - t0
+        self.timers.draft_s += batch.propose_s
+        batch.proposal = prop
+        for i in spec:
+            batch.q_rows[i] = prop.rows[batch.requests[i].request_id]
+        conf_rows = None  # [len(spec), depth_cap] fp32, in the order of `spec`
+        if prop.conf is not None:
+            conf_rows = prop.conf[torch.tensor([batch.q_rows[i] for i in spec])][:, :self.depth_cap]
+        ds = self.scheduler.schedule(conf_rows, [batch.max_depth[i] for i in spec])
+        if self.record_rounds and conf_rows is not None:
+            batch.round_conf = {batch.requests[i].request_id: conf_rows[j].tolist() for j, i in enumerate(spec)}
+        for i, d in zip(spec, ds):
+            if batch.requests[i].seeded_sampling:
+                # a seeded sampling request is verified at full depth (vLLM's fixed num_speculative_tokens): its
+                # random stream, hence its output, then depends on its seed only, not on the batch or the load
+                d = batch.max_depth[i]
+            batch.depths[i] = int(min(d, batch.max_depth[i]))
+        self.timers.schedule_s += time.perf_counter() - t1
 
-        # --- accept / reject ----------------------------------------------------------------------------------
-        dlist = [0] * len(prefill) + [depths[r.request_id] for r in decode]
-        rows = [-1] * len(prefill) + [q_row.get(r.request_id, -1) for r in decode]
-        res = self.sampler(out.logits, out.logit_offsets, prop_tokens, dlist, prop_q, draft_ids,
-                           [r.params for r in batch], [r.generator or self.generator for r in batch], q_rows=rows)
-        self.timers.verify_s += time.perf_counter() - t1
+    def _run_target(self, batch: "RoundBatch") -> None:
+        """ONE target forward: prompts (1 logits row each) and [x_0, x_1..x_L] (L+1 rows) for the decoding requests."""
+        T = self.target
+        P = batch.num_prefill
+        tok_cpu = batch.proposal.tokens.tolist() if batch.proposal is not None else None
+        batch.inputs, batch.num_logits, batch.starts = [], [], []
+        for i, r in enumerate(batch.requests):
+            if i < P:
+                batch.inputs.append(r.prompt_ids)
+                batch.num_logits.append(1)
+                batch.starts.append(0)
+                continue
+            L = batch.depths[i]
+            batch.inputs.append([r.output_ids[-1]] + (tok_cpu[batch.q_rows[i]][:L] if L else []))
+            batch.num_logits.append(L + 1)
+            batch.starts.append(T.length(r.slot))
+        t0 = time.perf_counter()
+        batch.target_out = T.forward([r.slot for r in batch.requests], batch.inputs, logits_last=batch.num_logits,
+                                     aux_layer_ids=self.aux_layer_ids)
+        batch.target_s = time.perf_counter() - t0
+        self.timers.target_s += batch.target_s
 
-        if q_row:  # what the drafted rows' verification gave, in the order the scheduler saw them
-            pos = {r.request_id: i for i, r in enumerate(batch)}
-            self.scheduler.observe_acceptance([dlist[pos[r.request_id]] for r in spec],
-                                              [res.num_accepted[pos[r.request_id]] for r in spec])
+    def _verify(self, batch: "RoundBatch") -> None:
+        """The rejection sampler over the round; the scheduler sees what the drafted rows' verification gave."""
+        t0 = time.perf_counter()
+        prop, out = batch.proposal, batch.target_out
+        batch.result = self.sampler(out.logits, out.logit_offsets, prop.tokens if prop else None, batch.depths,
+                                    prop.q if prop else None, prop.draft_ids if prop else None,
+                                    [r.params for r in batch.requests],
+                                    [r.generator or self.generator for r in batch.requests], q_rows=batch.q_rows)
+        self.timers.verify_s += time.perf_counter() - t0
+        if prop is not None:  # in the order the scheduler saw them
+            self.scheduler.observe_acceptance([batch.depths[i] for i in batch.drafted],
+                                              [batch.result.num_accepted[i] for i in batch.drafted])
 
-        # --- commit -------------------------------------------------------------------------------------------
+    def _commit(self, batch: "RoundBatch") -> list[RequestOutput]:
+        """Statistics, tokens with stop handling, cache rollback to the verified prefix; finished requests leave."""
+        T = self.target
+        res, out = batch.result, batch.target_out
         outputs = []
-        for i, r in enumerate(batch):
+        for i, r in enumerate(batch.requests):
             m, toks = res.num_accepted[i], res.tokens[i]
-            is_prefill = i < len(prefill)
-            n = starts[i]
+            is_prefill = i < batch.num_prefill
+            n = batch.starts[i]
             if is_prefill:
                 r.prefilled = True
                 emitted = self._append(r, toks)
             else:
-                L = dlist[i]
+                L = batch.depths[i]
                 st = r.stats
                 st.rounds += 1
-                st.proposed += self.gamma if r.request_id in q_row else 0
+                st.proposed += self.gamma if batch.q_rows[i] >= 0 else 0
                 st.verified += L
                 st.accepted += m
                 for k in range(L):
@@ -410,7 +495,7 @@ class SpeculativeEngine:
                     st.accepted_at[k] += 1
                 if self.record_rounds:
                     self.round_log.append({"request_id": r.request_id, "L": L, "m": m,
-                                           "conf": round_conf.get(r.request_id)})
+                                           "conf": batch.round_conf.get(r.request_id)})
                 emitted = self._append(r, toks)
                 st.emitted += len(emitted)
             if r.finished:
@@ -425,19 +510,6 @@ class SpeculativeEngine:
                     aux = out.aux_of(i)
                     r.pending_ctx.append(((aux if is_prefill else aux[:m + 1]).clone(), n))
             outputs.append(self._output(r, emitted))
-        # the drafter context is extended only before a round that drafts (a skipped round costs no drafter time);
-        # a long backlog is folded in anyway to bound its memory
-        backlog = [r for r in self.requests.values() if len(r.pending_ctx) >= self.MAX_PENDING_CONTEXT]
-        if backlog:
-            t2 = time.perf_counter()
-            self._flush_context(backlog)
-            self.timers.draft_s += time.perf_counter() - t2
-        self.timers.steps += 1
-        round_s = time.perf_counter() - t_start
-        self.timers.total_s += round_s
-        if not prefill:  # what a decode round costs, for cost-aware schedulers (prefill rounds are not typical)
-            self.scheduler.observe_round(len(spec), propose_s, sum(len(x) for x in inputs), target_s,
-                                        round_s)
         return outputs
 
     MAX_PENDING_CONTEXT = 32  # rounds of verified tokens a request may hold before its drafter context is extended
@@ -463,7 +535,7 @@ class SpeculativeEngine:
         for r in todo:
             r.pending_ctx = []
 
-    def _propose(self, decode: list[_Request]):
+    def _propose(self, decode: list[_Request]) -> "RoundProposal":
         """Group requests by draft sampling params (seeded requests alone, with their own generator)."""
         self._flush_context(decode)
         groups: dict = {}
@@ -471,6 +543,7 @@ class SpeculativeEngine:
             dp = self._draft_params(r.params)
             key = (dp, id(r.generator)) if r.generator is not None else (dp, None)
             groups.setdefault(key, []).append(r)
+        propose = self._static_draft or self.drafter.propose
         toks, qs, confs, q_row = [], [], [], {}
         draft_ids = None
         has_conf = True
@@ -481,7 +554,7 @@ class SpeculativeEngine:
                     r.draft_state = self.drafter.new_state()
             anchors = torch.tensor([r.output_ids[-1] for r in rs], dtype=torch.long)
             gen = rs[0].generator or self.generator
-            p = self.drafter.propose([r.draft_state for r in rs], anchors, dp, gen)
+            p = propose([r.draft_state for r in rs], anchors, dp, gen)
             toks.append(p.tokens)
             qs.append(p.q)
             if p.conf_logits is None:
@@ -495,7 +568,7 @@ class SpeculativeEngine:
         tokens = cat(toks).cpu()
         q = None if any(x is None for x in qs) else cat(qs)
         conf = cat(confs).float().cpu() if has_conf else None
-        return tokens, q, conf, draft_ids, q_row
+        return RoundProposal(tokens=tokens, q=q, conf=conf, draft_ids=draft_ids, rows=q_row)
 
     def _draft_params(self, p: SamplingParams) -> SamplingParams:
         if p.greedy or self.spec.draft_sample_method == "greedy":
