@@ -101,6 +101,7 @@ class StaticTargetForward:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.entries: dict = {}
         self._bound = None  # (k_cache, v_cache, cos) the recorded graphs read
+        self.runs = 0  # padded forwards
         self.recorded = 0  # graphs recorded (re-recordings after a cache reallocation included)
         self.replays = 0
 
@@ -110,6 +111,7 @@ class StaticTargetForward:
 
     def __call__(self, batch: RaggedBatch, aux_ids: list) -> TargetOutput:
         r = self.runner
+        self.runs += 1
         R, Rb = batch.num_requests, self.shapes.rows(batch.num_requests)
         Tb = self.shapes.tokens(batch.max_new)
         Kb = self.shapes.keys(batch.key_len, r._cap)
@@ -217,18 +219,21 @@ class StaticDraftProposer:
         self.drafter, self.shapes, self.capture = drafter, shapes, capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.entries: dict = {}
+        self.runs = 0  # padded drafting rounds
         self.recorded = 0
         self.replays = 0
 
     def __call__(self, states: Sequence[DraftState], anchors: torch.Tensor,
                  params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 generator: torch.Generator | Sequence[torch.Generator | None] | None = None) -> DraftProposal:
+                 generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
+                 forced_tokens: torch.Tensor | None = None) -> DraftProposal:
         d = self.drafter
         cfg = d.cfg
         B = len(states)
         Bb = self.shapes.rows(B)
-        if Bb is None:
-            return d.propose(states, anchors, params, generator)
+        if Bb is None or forced_tokens is not None:
+            return d.propose(states, anchors, params, generator, forced_tokens)
+        self.runs += 1
         dev = d.fc.weight.device
         W = cfg.context_window
         lo = [max(st.start, st.length - W) if W is not None else st.start for st in states]
