@@ -1,0 +1,83 @@
+"""The recipe's prompt mix and time budget (pipeline/recipe.py) and the job's usage errors (jobs.recipe)."""
+import json
+
+import pytest
+
+from pipeline.prompts import read_prompt_files
+from pipeline.recipe import (BudgetSplit, parse_mix, responses_that_fit, steps_that_fit, write_mix)
+
+
+def _prompts(path, n, bad_lines=()):
+    rows = []
+    for i in range(n):
+        rows.append("{not json" if i in bad_lines else json.dumps({"turns": [f"question {path.stem} {i}"]}))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_parse_mix_names_what_is_wrong(tmp_path):
+    a, b = _prompts(tmp_path / "a.jsonl", 5), _prompts(tmp_path / "b.jsonl", 3)
+    mix = parse_mix([f"{a}:4", str(b)])
+    assert [(e.stem, e.count) for e in mix] == [("a", 4), ("b", None)]
+    with pytest.raises(FileNotFoundError, match="prompt file not found: .*missing.jsonl"):
+        parse_mix([str(tmp_path / "missing.jsonl") + ":3"])
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        parse_mix([f"{a}:0"])
+    (tmp_path / "other").mkdir()
+    twin = _prompts(tmp_path / "other" / "a.jsonl", 2)
+    with pytest.raises(ValueError, match="share the name 'a'"):
+        parse_mix([str(a), str(twin)])
+    with pytest.raises(ValueError, match="no prompt files"):
+        parse_mix([])
+
+
+def test_growing_a_mix_keeps_every_answered_request_id(tmp_path):
+    """A source's file is a fixed shuffle cut to its share: a larger share only appends lines, so the request ids
+    of a smaller run ("<stem>:<line>" -> the same prompt text) are all still there."""
+    a = _prompts(tmp_path / "a.jsonl", 40, bad_lines={3})  # 39 valid prompts
+    b = _prompts(tmp_path / "b.jsonl", 10)
+    mix = parse_mix([f"{a}:30", str(b)])
+    small = write_mix(mix, tmp_path / "mix", 0.2)
+    rows_small, _ = read_prompt_files(small)
+    big = write_mix(mix, tmp_path / "mix", 1.0)
+    rows_big, skips = read_prompt_files(big)
+    assert not skips
+    by_id = {r.request_id: r.text for r in rows_big}
+    assert all(by_id[r.request_id] == r.text for r in rows_small)
+    counts = {stem: sum(r.request_id.startswith(stem + ":") for r in rows_big) for stem in ("a", "b")}
+    assert counts == {"a": 30, "b": 10}
+    assert {sum(r.request_id.startswith(s + ":") for r in rows_small) for s in ("a", "b")} == {6, 2}
+    # the shuffle is a real one (not the file order) and the same every time
+    assert [r.text for r in rows_big if r.request_id.startswith("a:")] != [f"question a {i}" for i in range(30)]
+    write_mix(mix, tmp_path / "again", 1.0)
+    assert (tmp_path / "again" / "a.jsonl").read_text() == (tmp_path / "mix" / "a.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+        write_mix(mix, tmp_path / "mix", 0)
+
+
+def test_budget_split_and_sizes():
+    s = BudgetSplit()
+    assert sum(s.seconds(3600).values()) == pytest.approx(3600)
+    with pytest.raises(ValueError, match="sum to 1"):
+        BudgetSplit(generate=0.5, extract=0.5, train=0.5, calibrate=0.1, evaluate=0.1)
+    # 10 responses in 20 s: 100 s more fit 50 more, on top of the 10 done, capped by what the mix has
+    assert responses_that_fit(100, 10, 20, 10, 1000) == 60
+    assert responses_that_fit(100, 10, 20, 10, 30) == 30
+    assert responses_that_fit(-5, 10, 20, 10, 1000) == 10  # the probe used the budget up: keep what is done
+    assert steps_that_fit(600, 2.0) == 150 and steps_that_fit(10, 2.0, minimum=10) == 10
+    with pytest.raises(ValueError, match="step time"):
+        steps_that_fit(600, 0)
+
+
+def test_recipe_usage_errors(tmp_path, capsys):
+    from jobs.recipe import main
+
+    for flags, msg in ((["--budget-hours", "0"], "budget-hours must be > 0"),
+                       (["--eval-prompts", "0"], "eval-prompts must be >= 1"),
+                       (["--split-train", "0.9"], "sum to 1")):
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path / "r"), *flags])
+        assert msg in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+        main(["--out", str(tmp_path / "r"), "--prompts", str(tmp_path / "nope.jsonl")])
+    assert not (tmp_path / "r").exists()  # nothing is started or written before the inputs are checked
