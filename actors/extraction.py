@@ -8,17 +8,30 @@ Resumable: samples already in the store are skipped.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import torch
+from safetensors import safe_open
+from tqdm import tqdm
 
-from actors.vllm_engine import ACTOR_MEMORY_HELP, actor_memory_request, actor_runtime_env, build_llm
+from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_llm, engine_actor_plan, engine_config,
+                                engine_dtype)
+from pipeline.hf_extractor import HFExtractor
+from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, MOONCAKE_PROTOCOLS,
+                                  TP_HELP, EngineLayout, PlanError, check_count, check_non_negative, mooncake_plan)
 from pipeline.placement import INFERENCE, role_resources
+from pipeline.runtime import init_ray
+from pipeline.shards import ShardSet
+from pipeline.stores import open_hidden_store
 from pipeline.stores.base import bytes_per_token, full_vocab_lse, tensor_from_bytes, tensor_to_bytes
+from pipeline.target_model import num_layers, parse_layer_ids, resolve_target
+from pipeline.target_weights import load_target_weights
 
 _IN_SCHEMA = pa.schema([("request_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.uint8()))])
@@ -62,12 +75,43 @@ class ExtractConfig:
     actor_memory: str = field(default="auto", metadata={"help": ACTOR_MEMORY_HELP})
     limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
+    gpus_per_actor: float = field(default=0.0, metadata={"help": GPUS_HELP})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": TP_HELP + "; the vllm extractor needs 1 (its connector hands tensors over in-process)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": GPU_MEM_HELP})
+    max_num_seqs: int | None = field(default=None, metadata={"help": MAX_SEQS_HELP})
+    mooncake_protocol: str = field(default="tcp", metadata={
+        "help": "Mooncake transport of the store clients: tcp (every build) | rdma (the CUDA build, "
+                "mooncake-transfer-engine)", "choices": list(MOONCAKE_PROTOCOLS)})
+    dry_run: bool = field(default=False, metadata={"help": DRY_RUN_HELP})
+
+    def __post_init__(self):
+        for name in ("pool_size", "batch_size", "max_model_len"):
+            check_count(getattr(self, name), "--" + name.replace("_", "-"))
+        check_non_negative(self.limit, "--limit")
+        check_non_negative(self.actor_cpus, "--actor-cpus")
+        check_count(self.threads, "--threads")
+        layout = self.layout()
+        if self.extractor == "vllm" and layout.tensor_parallel_size > 1:
+            raise PlanError(f"--tensor-parallel-size {layout.tensor_parallel_size} with --extractor vllm: the "
+                            "hidden-state connector hands tensors to the actor through its own process memory, so the "
+                            "engine must run in it (tensor parallel workers are other processes); use "
+                            "--tensor-parallel-size 1 (one GPU per extractor) or --extractor hf")
+        if self.extractor == "hf" and layout.tensor_parallel_size > 1:
+            raise PlanError("--tensor-parallel-size applies to the vllm extractor only (--extractor hf runs the "
+                            "target on one device)")
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise PlanError(f"--mooncake-protocol must be one of {MOONCAKE_PROTOCOLS}, got {self.mooncake_protocol!r}")
+
+    def layout(self) -> EngineLayout:
+        """The engine layout of every extractor actor (validated; PlanError names the bad flag)."""
+        return EngineLayout(gpus=float(self.gpus_per_actor), tensor_parallel_size=self.tensor_parallel_size,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            max_num_seqs=self.max_num_seqs).validate()
 
 
 def _final_norm(target: str):
     """The target's final RMSNorm (weight, eps), applied in fp32 to layer L's output."""
-    from safetensors import safe_open
-
     cfg = json.loads((Path(target) / "config.json").read_text())
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     for f in sorted(Path(target).glob("*.safetensors")):
@@ -87,7 +131,7 @@ class VLLMExtractor:
     """Ray Data actor: pa.Table (request_id, input_ids, loss_mask) -> serialized sample tensors."""
 
     def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, kind: str = "vllm",
-                 dtype: str = "auto", target_lse: bool = True):
+                 dtype: str = "auto", target_lse: bool = True, layout: dict | None = None):
         self.layer_ids = list(layer_ids)
         self.kind = kind
         # cumulative seconds per part of __call__ (scripts/bench_extract.py prints them)
@@ -95,16 +139,14 @@ class VLLMExtractor:
         self.want = sorted(set(self.layer_ids) | {n_layers})  # layer L always, for the final hidden state
         self.norm_w, self.eps = _final_norm(target)
         self.lm_head = None
+        layout = EngineLayout(**layout) if layout else EngineLayout()
         if target_lse:
-            from pipeline.target_weights import load_target_weights
-
             self.lm_head = load_target_weights(target).lm_head.float()
         if kind == "vllm":
-            self.llm = build_llm(target, max_model_len=max_model_len + 1, extract_layer_ids=self.want, dtype=dtype)
+            self.llm = build_llm(target, max_model_len=max_model_len + 1, extract_layer_ids=self.want, dtype=dtype,
+                                 layout=layout)
         else:
-            from pipeline.hf_extractor import HFExtractor
-
-            self.hf = HFExtractor(target, self.layer_ids)
+            self.hf = HFExtractor(target, self.layer_ids, device=layout.device)
 
     def _vllm_hidden(self, seqs: list[list[int]]) -> list[torch.Tensor]:
         from vllm import SamplingParams
@@ -171,24 +213,60 @@ def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tenso
                {"target_lse": tensor_from_bytes(row["target_lse"], torch.float32, (T,))})}
 
 
+def extraction_plan(cfg: ExtractConfig, target) -> dict:
+    """What stage 2 launches (pipeline.launch_plan): the Ray Data extractor pool, each actor's Ray options, its
+    engine configuration and the hidden-state store; ``--dry-run`` prints it, ``run_extraction`` launches it."""
+    layout = cfg.layout()
+    L = num_layers(target)
+    layer_ids = parse_layer_ids(cfg.layer_ids, L)
+    want = sorted(set(layer_ids) | {L})  # layer L always, for the final hidden state
+    dtype = engine_dtype(cfg.dtype, layout)
+    store = {"backend": cfg.store}
+    extra_env = {}
+    if cfg.store == "mooncake":
+        moon = mooncake_plan(cfg.mooncake_protocol)
+        extra_env = moon["env"]
+        store.update(prefix=cfg.mooncake_prefix, mooncake=dict(
+            moon, master=cfg.mooncake_master or "started by the job on 127.0.0.1",
+            segment=cfg.mooncake_segment if not cfg.mooncake_master else "the running master's"))
+    else:
+        store["folder"] = str(cfg.out)
+    if cfg.extractor == "vllm":
+        kwargs, env = engine_config(str(target), cfg.max_model_len + 1, 0, dtype, extract_layer_ids=want,
+                                    layout=layout)
+        engine = {"backend": "vllm", "device": layout.device, "kwargs": kwargs, "env": env}
+    else:
+        env = {}
+        engine = {"backend": "transformers", "device": layout.device, "dtype": "float32"}
+    engine.update(layer_ids=layer_ids, captured_layers=want, target_lse=cfg.target_lse)
+    actor = engine_actor_plan("VLLMExtractor", str(target), dtype, layout, cfg.actor_cpus, cfg.threads,
+                              cfg.actor_memory, cfg.actor_resources, env, kv_cache=cfg.extractor == "vllm",
+                              extra_env=extra_env)
+    return {
+        "job": "extract",
+        "ray": {"address": cfg.address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
+                "actor_pool": {"strategy": "ray.data.ActorPoolStrategy", "size": cfg.pool_size,
+                               "batch_size": cfg.batch_size},
+                "actor": actor,
+                "total": {"num_cpus": cfg.pool_size * cfg.actor_cpus, "num_gpus": cfg.pool_size * layout.gpus,
+                          "memory": cfg.pool_size * actor["memory"]}},
+        "engine": engine,
+        "store": store,
+    }
+
+
 def open_store(cfg: ExtractConfig, endpoint=None):
     """The store named by the config (disk folder, or Mooncake at ``endpoint``)."""
-    from pipeline.stores import open_hidden_store
-
     return open_hidden_store(cfg.store, cfg.out, cfg.mooncake_prefix, endpoint)
 
 
 def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
     """Run stage 2.  With --store mooncake, ``endpoint`` is a running master (the job starts one if None)."""
-    from tqdm import tqdm
-
-    from pipeline.runtime import init_ray
-    from pipeline.shards import ShardSet
-    from pipeline.target_model import num_layers, parse_layer_ids, resolve_target
-
     target = resolve_target(cfg.target)
+    plan = extraction_plan(cfg, target)
+    os.environ.update((plan["store"].get("mooncake") or {}).get("env", {}))  # the driver's own store client
     L = num_layers(target)
-    layer_ids = parse_layer_ids(cfg.layer_ids, L)
+    layer_ids = plan["engine"]["layer_ids"]
     hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
     responses = ShardSet(cfg.responses, key="request_id")
     resp_manifest = responses.manifest()  # stage 1 must have finished
@@ -223,19 +301,23 @@ def run_extraction(cfg: ExtractConfig, endpoint=None) -> dict:
         ray.data.DataContext.get_current().enable_progress_bars = False
         ds = ray.data.from_arrow(pa.Table.from_pylist(todo, schema=_IN_SCHEMA))
         ds = ds.repartition(max(1, (len(todo) + cfg.batch_size - 1) // cfg.batch_size))
+        layout = cfg.layout()
         resources = role_resources(INFERENCE, cfg.actor_resources, "actor-resources")
         memory = actor_memory_request(cfg.actor_memory, str(target), cfg.dtype, cfg.pool_size,
-                                      kv_cache=cfg.extractor == "vllm")
+                                      kv_cache=cfg.extractor == "vllm", layout=layout)
         print(f"[extract] {cfg.pool_size} extractor actor(s), resources {resources or 'unconstrained'}, "
-              f"memory {memory / 2**30:.1f} GiB each")
+              f"memory {memory / 2**30:.1f} GiB each, {layout.device} engine"
+              + (f" on {layout.gpus:g} GPU(s) each" if layout.gpus else ""))
         ds = ds.map_batches(VLLMExtractor, batch_format="pyarrow", batch_size=cfg.batch_size,
                             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
+                            **({"num_gpus": layout.gpus} if layout.gpus else {}),
                             **({"memory": memory} if memory else {}),
                             **({"resources": resources} if resources else {}),
-                            runtime_env=actor_runtime_env(cfg.threads),
+                            runtime_env=plan["ray"]["actor"]["runtime_env"],
                             fn_constructor_kwargs=dict(target=str(target), layer_ids=layer_ids, n_layers=L,
                                                        max_model_len=cfg.max_model_len, kind=cfg.extractor,
-                                                       dtype=cfg.dtype, target_lse=cfg.target_lse))
+                                                       dtype=cfg.dtype, target_lse=cfg.target_lse,
+                                                       layout=dataclasses.asdict(layout)))
         bar = tqdm(total=len(todo), desc="extract", unit="sample", dynamic_ncols=True)
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             for row in batch.to_pylist():

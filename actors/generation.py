@@ -7,15 +7,27 @@ missing rows are generated, none twice (per-request seeds make the rerun sample 
 """
 from __future__ import annotations
 
+import dataclasses
+import io
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
 
-from actors.vllm_engine import ACTOR_MEMORY_HELP, actor_memory_request, actor_runtime_env, build_llm, request_seed
+from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_llm, engine_actor_plan,
+                                engine_config, engine_dtype, request_seed)
+from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, TP_HELP, EngineLayout,
+                                  check_count, check_non_negative)
 from pipeline.placement import INFERENCE, role_resources
+from pipeline.prompts import DEFAULT_PROMPTS, read_prompt_files, tokenize_requests
 from pipeline.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
+from pipeline.runtime import init_ray
+from pipeline.shards import ShardSet, atomic_write_bytes
+from pipeline.target_model import resolve_target
 
 
 @dataclass
@@ -49,14 +61,34 @@ class GenerateConfig:
     address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
     max_rows: int | None = field(default=None, metadata={
         "help": "stop after writing this many new rows in this run (for tests of resumption)"})
+    gpus_per_actor: float = field(default=0.0, metadata={"help": GPUS_HELP})
+    tensor_parallel_size: int = field(default=1, metadata={"help": TP_HELP})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": GPU_MEM_HELP})
+    max_num_seqs: int | None = field(default=None, metadata={"help": MAX_SEQS_HELP})
+    dry_run: bool = field(default=False, metadata={"help": DRY_RUN_HELP})
+
+    def __post_init__(self):
+        for name in ("pool_size", "batch_size", "rows_per_shard", "max_new_tokens", "max_model_len"):
+            check_count(getattr(self, name), "--" + name.replace("_", "-"))
+        for name in ("limit", "limit_per_file", "max_rows", "top_k", "actor_cpus"):
+            check_non_negative(getattr(self, name), "--" + name.replace("_", "-"))
+        check_count(self.threads, "--threads")
+        self.layout()
+
+    def layout(self) -> EngineLayout:
+        """The engine layout of every generator actor (validated; PlanError names the bad flag)."""
+        return EngineLayout(gpus=float(self.gpus_per_actor), tensor_parallel_size=self.tensor_parallel_size,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            max_num_seqs=self.max_num_seqs).validate()
 
 
 class VLLMGenerator:
     """Ray Data actor: pa.Table batch (request_id, source_file, prompt_ids) -> response rows."""
 
     def __init__(self, target: str, max_model_len: int, max_new_tokens: int, temperature: float, top_p: float,
-                 top_k: int, seed: int, dtype: str = "auto"):
-        self.llm = build_llm(target, max_model_len=max_model_len, seed=seed, dtype=dtype)
+                 top_k: int, seed: int, dtype: str = "auto", layout: dict | None = None):
+        self.llm = build_llm(target, max_model_len=max_model_len, seed=seed, dtype=dtype,
+                             layout=layout or dataclasses.asdict(EngineLayout()))
         self.max_new_tokens, self.seed = max_new_tokens, seed
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1)
 
@@ -77,18 +109,35 @@ class VLLMGenerator:
         return pa.Table.from_pylist(result, schema=RESPONSE_SCHEMA)
 
 
-def run_generation(cfg: GenerateConfig) -> dict:
-    import json
+def generation_plan(cfg: GenerateConfig, target) -> dict:
+    """What stage 1 launches (pipeline.launch_plan): the Ray Data actor pool, each actor's Ray options and its vLLM
+    engine configuration; ``--dry-run`` prints it, ``run_generation`` launches it."""
+    layout = cfg.layout()
+    dtype = engine_dtype(cfg.dtype, layout)
+    kwargs, env = engine_config(str(target), cfg.max_model_len, cfg.seed, dtype, layout=layout)
+    actor = engine_actor_plan("VLLMGenerator", str(target), dtype, layout, cfg.actor_cpus, cfg.threads,
+                              cfg.actor_memory, cfg.actor_resources, env, kv_cache=True)
+    return {
+        "job": "generate",
+        "ray": {"address": cfg.address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
+                "actor_pool": {"strategy": "ray.data.ActorPoolStrategy", "size": cfg.pool_size,
+                               "batch_size": cfg.batch_size},
+                "actor": actor,
+                "total": {"num_cpus": cfg.pool_size * cfg.actor_cpus, "num_gpus": cfg.pool_size * layout.gpus,
+                          "memory": cfg.pool_size * actor["memory"]}},
+        "engine": {"backend": "vllm", "device": layout.device, "kwargs": kwargs, "env": env,
+                   "sampling": {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                                "top_k": cfg.top_k if cfg.top_k > 0 else -1,
+                                "seed": f"per request from --seed {cfg.seed} and the request id"}},
+        "output": {"folder": str(cfg.out), "rows_per_shard": cfg.rows_per_shard},
+    }
 
-    from tqdm import tqdm
+
+def run_generation(cfg: GenerateConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.prompts import DEFAULT_PROMPTS, read_prompt_files, tokenize_requests
-    from pipeline.runtime import init_ray
-    from pipeline.shards import ShardSet, atomic_write_bytes
-    from pipeline.target_model import resolve_target
-
     target = resolve_target(cfg.target)
+    plan = generation_plan(cfg, target)
     prompt_files = cfg.prompts or [DEFAULT_PROMPTS]
     rows, skips = read_prompt_files(prompt_files, cfg.limit, cfg.limit_per_file)
     tok = AutoTokenizer.from_pretrained(target)
@@ -107,10 +156,6 @@ def run_generation(cfg: GenerateConfig) -> dict:
                 dtype=cfg.dtype, seed=cfg.seed, num_requests=len(requests), num_skipped=len(skips))
     # skips are recorded next to the data (not silently dropped) - rewritten whole each run, atomically
     skip_table = pa.Table.from_pylist([s.__dict__ for s in skips], schema=SKIP_SCHEMA)
-    import io
-
-    import pyarrow.parquet as pq
-
     buf = io.BytesIO()
     pq.write_table(skip_table, buf)
     atomic_write_bytes(Path(cfg.out) / "skipped.parquet", buf.getvalue())
@@ -129,18 +174,23 @@ def run_generation(cfg: GenerateConfig) -> dict:
             pending, schema=pa.schema([("request_id", pa.string()), ("source_file", pa.string()),
                                        ("prompt_ids", pa.list_(pa.int32()))])))
         ds = ds.repartition(max(1, (len(pending) + cfg.batch_size - 1) // cfg.batch_size))
+        layout, actor = cfg.layout(), plan["ray"]["actor"]
         resources = role_resources(INFERENCE, cfg.actor_resources, "actor-resources")
-        memory = actor_memory_request(cfg.actor_memory, str(target), cfg.dtype, cfg.pool_size, kv_cache=True)
+        memory = actor_memory_request(cfg.actor_memory, str(target), cfg.dtype, cfg.pool_size, kv_cache=True,
+                                      layout=layout)
         print(f"[generate] {cfg.pool_size} vLLM actor(s), resources {resources or 'unconstrained'}, "
-              f"memory {memory / 2**30:.1f} GiB each")
+              f"memory {memory / 2**30:.1f} GiB each, {layout.device} engine"
+              + (f" on {layout.gpus:g} GPU(s) each" if layout.gpus else ""))
         ds = ds.map_batches(
             VLLMGenerator, batch_format="pyarrow", batch_size=cfg.batch_size,
             compute=ActorPoolStrategy(size=cfg.pool_size), num_cpus=cfg.actor_cpus,
+            **({"num_gpus": layout.gpus} if layout.gpus else {}),
             **({"memory": memory} if memory else {}),
-            **({"resources": resources} if resources else {}), runtime_env=actor_runtime_env(cfg.threads),
+            **({"resources": resources} if resources else {}), runtime_env=actor["runtime_env"],
             fn_constructor_kwargs=dict(target=str(target), max_model_len=cfg.max_model_len,
                                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, dtype=cfg.dtype))
+                                       top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, dtype=cfg.dtype,
+                                       layout=dataclasses.asdict(layout)))
         buffer: list[pa.Table] = []
         buffered = 0
         t0, ntok = time.time(), 0

