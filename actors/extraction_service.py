@@ -16,7 +16,7 @@ import itertools
 
 import ray
 
-from actors.extraction import VLLMExtractor, row_to_sample
+from actors.extraction import VLLMExtractor
 from pipeline.placement import INFERENCE, role_resources
 
 
@@ -27,22 +27,36 @@ class _ExtractionWorker:
 
         self.extractor = VLLMExtractor(target, layer_ids, n_layers, max_model_len, kind=kind)
         self.store = MooncakeHiddenStore(prefix, endpoint)
-        self.aux_dim = None
+
+    def _sample_in_store(self, row: dict, aux_dim: int, hidden: int) -> dict:
+        """The row's tensors decoded straight into the store's registered memory (no other copy on this side)."""
+        import numpy as np
+
+        from pipeline.stores.mooncake import tensor_bytes_view
+
+        out = self.store.alloc_sample(row["n_tokens"], aux_dim, hidden, with_lse=row.get("target_lse") is not None)
+        for name, t in out.items():
+            src = np.frombuffer(row[name], dtype=np.uint8)
+            dst = tensor_bytes_view(t)
+            if src.nbytes != dst.nbytes:
+                raise ValueError(f"request {row['request_id']}: {name} has {src.nbytes} bytes, expected "
+                                 f"{dst.nbytes} for {tuple(t.shape)} {t.dtype}")
+            dst[:] = src
+        return out
 
     def extract(self, requests: list[dict]) -> list[str]:
+        """Run the target over ``requests``, put every sample (one batched transfer) and return their keys."""
         import pyarrow as pa
 
         from actors.extraction import _IN_SCHEMA
 
         table = self.extractor(pa.Table.from_pylist(requests, schema=_IN_SCHEMA))
-        keys = []
-        for row in table.to_pylist():
-            hidden = self.extractor.norm_w.shape[0]
-            sample = row_to_sample(row, hidden * len(self.extractor.layer_ids), hidden)
-            self.store.put(row["request_id"], sample)
-            keys.append(row["request_id"])
+        hidden = self.extractor.norm_w.shape[0]
+        aux_dim = hidden * len(self.extractor.layer_ids)
+        samples = [(row["request_id"], self._sample_in_store(row, aux_dim, hidden)) for row in table.to_pylist()]
+        self.store.put_many(samples)
         self.store.flush()
-        return keys
+        return [sid for sid, _ in samples]
 
     def ready(self) -> bool:
         return True

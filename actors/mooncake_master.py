@@ -439,9 +439,11 @@ class MooncakeMaster:
             return False
         return code in (200, 404) and tcp_reachable(*_split_addr(ep.master_addr), timeout=1.0)
 
-    def add_segment_server(self, segment_bytes: int | str, timeout: float = 60.0) -> SegmentServer:
+    def add_segment_server(self, segment_bytes: int | str, timeout: float = 60.0,
+                           prefault: bool | None = None) -> SegmentServer:
         """Start one more segment server (e.g. one per simulated node) serving ``segment_bytes``; waits until its
-        segment is mounted (and pre-faulted).  ``endpoint.on_server(server)`` is the endpoint that works through it."""
+        segment is mounted (and pre-faulted unless ``prefault`` - default: the master's setting - is False).
+        ``endpoint.on_server(server)`` is the endpoint that works through it."""
         nbytes = parse_size(segment_bytes)
         if nbytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment_bytes must be >= {MIN_SEGMENT_BYTES} (mooncake_client minimum)")
@@ -466,7 +468,7 @@ class MooncakeMaster:
                 raise MooncakeLaunchError(f"segment of {nbytes} bytes not mounted after {timeout:.0f}s "
                                           f"(log {log}):\n{_tail(log)}")
             time.sleep(0.1)
-        if self.prefault:
+        if self.prefault if prefault is None else prefault:
             t0 = time.monotonic()
             prefault_segment(ep.on_server(server), nbytes)
             with log.open("a") as f:

@@ -413,3 +413,25 @@ def test_master_killed_while_open_is_a_clear_error():
         assert time.monotonic() - t0 < 10
     finally:
         m.stop()
+
+
+def test_alloc_sample_puts_in_place_and_other_tensors_are_copied(store_factory):
+    """Tensors from alloc_sample, filled in place, are put straight from their registered memory; a sample that
+    is not laid out as its object (a slice of one, ordinary tensors) is copied - both read back bit-exact."""
+    from pipeline.stores.mooncake import tensor_bytes_view
+
+    s = store_factory()
+    ref = make_sample(6, 50)  # with target_lse
+    t = s.alloc_sample(50, AUX, HID, with_lse=True)
+    assert set(t) == set(ref)
+    for name, v in ref.items():
+        tensor_bytes_view(t[name])[:] = tensor_bytes_view(v.contiguous())
+    staging_before = s._staging
+    s.put("inplace", t)
+    assert s._staging is staging_before  # nothing went through the staging buffer
+    assert_bit_exact(s.get("inplace"), ref)
+    sliced = {k: v[:20] for k, v in t.items()}  # views of the same lease, but not its object's layout
+    s.put("sliced", sliced)
+    assert_bit_exact(s.get("sliced"), {k: v[:20] for k, v in ref.items()})
+    with pytest.raises(StoreError):
+        store_factory(zero_copy=False).alloc_sample(4, AUX, HID)

@@ -52,7 +52,7 @@ import torch
 
 from pipeline.stores.base import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
                                    validate_sample)
-from pipeline.stores.mooncake_buffers import ALIGN, Arena, LeasePool, align_up
+from pipeline.stores.mooncake_buffers import ALIGN, Arena, Lease, LeasePool, align_up
 from pipeline.runtime import LOOPBACK, apply_env
 
 ENV_MASTER_ADDR = "MOONCAKE_MASTER_ADDR"
@@ -102,6 +102,13 @@ def _split(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def tensor_bytes_view(t: torch.Tensor) -> np.ndarray:
+    """A writable uint8 numpy view of a contiguous CPU tensor's bytes (no copy; bf16 as its bit pattern)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise StoreError(f"need a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1).view(np.uint8)
+
+
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a CPU tensor's bytes (a copy only if it is not contiguous; bf16 as its bit pattern)."""
     t = t.detach()
@@ -113,34 +120,56 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.numpy().reshape(-1).view(np.uint8)
 
 
+def _object_layout(n_tokens: int, specs: list[tuple[str, torch.dtype, tuple[int, ...], int]]
+                   ) -> tuple[bytes, list[int], int]:
+    """(preamble + header bytes, each field's offset, object size) for fields ``specs`` = [(name, dtype, shape,
+    nbytes)] (see module doc).  The offsets depend on the header's own length: laid out until it is stable."""
+    guess = 0
+    while True:
+        off = align_up(_PREAMBLE.size + guess)
+        offsets, fields = [], {}
+        for name, dtype, shape, nb in specs:
+            fields[name] = [_DTYPE_NAME[dtype], list(shape), nb, off]
+            offsets.append(off)
+            off = align_up(off + nb)
+        header = json.dumps({"n_tokens": n_tokens, "fields": fields}, separators=(",", ":")).encode()
+        if align_up(_PREAMBLE.size + len(header)) == align_up(_PREAMBLE.size + guess):
+            break
+        guess = len(header)
+    head = _PREAMBLE.pack(MAGIC, len(header)) + header
+    end = offsets[-1] + specs[-1][3] if specs else 0
+    return head, offsets, max(end, len(head))
+
+
 class _Layout:
-    """Where each field of one sample sits in its object (see module doc)."""
+    """Where each field of one sample sits in its object, and the tensors' bytes to copy there."""
 
     def __init__(self, sample_id: str, tensors: dict[str, torch.Tensor]):
         self.n_tokens = validate_sample(sample_id, tensors)
-        names = list(TENSOR_FIELDS) + [n for n in OPTIONAL_FIELDS if n in tensors]
-        self.views = [_as_bytes(tensors[n]) for n in names]
-        fields, sizes = {}, [v.nbytes for v in self.views]
-        # header offsets depend on the header's own length: lay out once with a generous guess, then fix
-        guess = 0
-        while True:
-            off = align_up(_PREAMBLE.size + guess)
-            self.offsets = []
-            for n, nb in zip(names, sizes):
-                fields[n] = [_DTYPE_NAME[tensors[n].dtype], list(tensors[n].shape), nb, off]
-                self.offsets.append(off)
-                off = align_up(off + nb)
-            header = json.dumps({"n_tokens": self.n_tokens, "fields": fields}, separators=(",", ":")).encode()
-            if align_up(_PREAMBLE.size + len(header)) == align_up(_PREAMBLE.size + guess):
-                break
-            guess = len(header)
-        self.header = _PREAMBLE.pack(MAGIC, len(header)) + header
-        self.nbytes = max(self.offsets[-1] + sizes[-1], len(self.header)) if sizes else len(self.header)
+        self.names = list(TENSOR_FIELDS) + [n for n in OPTIONAL_FIELDS if n in tensors]
+        self.tensors = tensors
+        specs = [(n, tensors[n].dtype, tuple(tensors[n].shape), tensors[n].numel() * tensors[n].element_size())
+                 for n in self.names]
+        self.header, self.offsets, self.nbytes = _object_layout(self.n_tokens, specs)
+
+    def in_place(self) -> "Lease | None":
+        """The lease holding this sample already laid out as its object (tensors from alloc_sample), else None."""
+        lease = getattr(self.tensors["input_ids"], "_mooncake_lease", None)
+        if lease is None or lease.nbytes < self.nbytes:
+            return None
+        for n, off in zip(self.names, self.offsets):
+            t = self.tensors[n]
+            if getattr(t, "_mooncake_lease", None) is not lease or (t.numel() and t.data_ptr() != lease.addr + off):
+                return None
+        if bytes(lease.array()[:len(self.header)]) != self.header:
+            return None
+        return lease
 
     def write_into(self, dst: np.ndarray) -> None:
         """Copy header and fields into ``dst`` (uint8, >= nbytes)."""
         dst[:len(self.header)] = np.frombuffer(self.header, dtype=np.uint8)
-        for off, v in zip(self.offsets, self.views):
+        for n, off in zip(self.names, self.offsets):
+            v = _as_bytes(self.tensors[n])
             dst[off:off + v.nbytes] = v
 
     def to_bytes(self) -> bytes:
@@ -330,6 +359,33 @@ class MooncakeHiddenStore(HiddenStateStore):
         return self._pool
 
     # ---- writer -------------------------------------------------------------------------------------------------
+    def alloc_sample(self, n_tokens: int, aux_dim: int, hidden: int, with_lse: bool = False
+                     ) -> dict[str, torch.Tensor]:
+        """Empty tensors of one sample (input_ids [T], loss_mask [T], aux_hidden [T, aux_dim], last_hidden
+        [T, hidden], target_lse [T] if ``with_lse``) laid out in registered memory exactly as its object: a
+        producer that fills them in place and put()s them (unchanged, same store) is copied by nobody but the
+        segment server.  Anything else put() copies as usual."""
+        if not self.zero_copy:
+            raise StoreError("alloc_sample needs zero_copy=True")
+        T = int(n_tokens)
+        shapes = {"input_ids": (T,), "loss_mask": (T,), "aux_hidden": (T, int(aux_dim)),
+                  "last_hidden": (T, int(hidden)), **({"target_lse": (T,)} if with_lse else {})}
+        dtypes = {**{k: v[0] for k, v in TENSOR_FIELDS.items()}, **{k: v[0] for k, v in OPTIONAL_FIELDS.items()}}
+        specs = [(n, dtypes[n], shp, int(np.prod(shp)) * torch.empty(0, dtype=dtypes[n]).element_size())
+                 for n, shp in shapes.items()]
+        head, offsets, nbytes = _object_layout(T, specs)
+        with self._lock:
+            lease = self._read_pool().lease(nbytes)
+        buf = lease.array()
+        buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        out = {}
+        for (name, dtype, shp, nb), off in zip(specs, offsets):
+            t = torch.from_numpy(buf[off:off + nb].view(_NP_OF[dtype]).reshape(shp))
+            t = t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+            t._mooncake_lease = lease
+            out[name] = t
+        return out
+
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
         self.put_many([(sample_id, tensors)])
 
@@ -350,15 +406,21 @@ class MooncakeHiddenStore(HiddenStateStore):
             keys = [self._key(s) for s in sids]
             # Mooncake's put of an existing key leaves the stored object as it is: re-putting is a no-op
             if self.zero_copy:
-                offs, total = [], 0
+                addrs: list[int | None] = []
+                total = 0
                 for lay in layouts:
-                    offs.append(total)
-                    total = align_up(total + lay.nbytes, ALIGN)
-                buf = self._staging_for(total)
-                for lay, off in zip(layouts, offs):
-                    lay.write_into(buf.view[off:off + lay.nbytes])
-                rcs = self._store.batch_put_from(keys, [buf.addr + o for o in offs], [lay.nbytes for lay in layouts],
-                                                 self._cfg)
+                    lease = lay.in_place()
+                    addrs.append(lease.addr if lease is not None else None)
+                    if lease is None:
+                        total = align_up(total + lay.nbytes, ALIGN)
+                if total:  # samples in ordinary memory are copied into the staging buffer
+                    buf, off = self._staging_for(total), 0
+                    for i, lay in enumerate(layouts):
+                        if addrs[i] is None:
+                            lay.write_into(buf.view[off:off + lay.nbytes])
+                            addrs[i] = buf.addr + off
+                            off = align_up(off + lay.nbytes, ALIGN)
+                rcs = self._store.batch_put_from(keys, addrs, [lay.nbytes for lay in layouts], self._cfg)
                 bad = [(k, r) for k, r in zip(keys, rcs) if r not in (0, OBJECT_ALREADY_EXISTS)]
                 if bad:
                     raise self._err(f"put {bad[0][0]}", bad[0][1])
