@@ -1,0 +1,49 @@
+"""Plot held-out tau against supervised positions seen for one or more training runs on one figure.
+
+    python -m jobs.bench learning_curves dspark=work/big/curve_dspark dflash=work/big/curve_dflash \\
+        --png docs/results/learning_curve_446.png
+
+Each argument is LABEL=RUN (a jobs.train --out folder or its metrics.jsonl); runs must have been trained with
+--eval-every > 0 (the default).  Prints the curve points too: teacher-forced tau, and the replayed rounds' tau
+(dashed in the plot) for runs trained with --eval-walk-tokens > 0.  The PNG defaults to <out>/learning_curves.png."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.training import plot_learning_curves, read_learning_curve
+
+NAME = "learning_curves"
+HELP = "plot (and print) held-out tau vs supervised positions seen for one or more training runs"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("runs", nargs="+", help="LABEL=RUN_FOLDER or LABEL=metrics.jsonl")
+    p.add_argument("--png", type=Path, default=None, help="PNG to write (default: <out>/learning_curves.png)")
+    p.add_argument("--title", default=None)
+
+
+def run(a, harness) -> dict:
+    runs = {}
+    for spec in a.runs:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            raise SystemExit(f"expected LABEL=RUN, got {spec!r}")
+        path = Path(path)
+        runs[label] = path / "metrics.jsonl" if path.is_dir() else path
+        if not runs[label].is_file():
+            raise SystemExit(f"{label}: no metrics file at {runs[label]}")
+    curves = {}
+    for label, path in runs.items():
+        walk = dict(read_learning_curve(path, "heldout_walk_tau"))  # {positions seen: replayed tau}
+        curve = read_learning_curve(path)
+        points = [f"{x / 1e6:.3f}M -> {t:.3f}" + (f" (replayed {walk[x]:.3f})" if x in walk else "")
+                  for x, t in curve]
+        print(f"{label}: " + ", ".join(points))
+        curves[label] = {"metrics": str(path), "heldout_tau": [[x, t] for x, t in curve],
+                         "heldout_walk_tau": [[x, t] for x, t in walk.items()]}
+    png = a.png or harness.out_dir / "learning_curves.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    if not plot_learning_curves(runs, png, a.title):
+        raise SystemExit("no run has held-out tau rows (train with --eval-every > 0)")
+    print(f"wrote {png}")
+    return {"png": str(png), "runs": curves}

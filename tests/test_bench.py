@@ -1,0 +1,111 @@
+"""The benchmark CLI (`python -m jobs.bench`): the listing names every benchmark without importing torch, vllm or
+ray; the harness's interleaving, medians and results.json through a real CLI run of its own busy_loop benchmark;
+one real benchmark (the drafter's, at tiny sizes) end to end."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.bench import discover, inspect_module
+from jobs.bench.harness import Harness, call_order
+
+ROOT = Path(__file__).resolve().parent.parent
+PORTED = {"extract", "target", "linear", "drafter", "draft_budget", "vllm_dtype", "one_user", "load", "heldout_tau",
+          "peak_memory", "train_step", "learning_curves", "busy_loop"}
+
+
+def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DSPARK_NO_REEXEC="1")
+    return subprocess.run([sys.executable, "-m", "jobs.bench", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_every_benchmark_without_heavy_imports():
+    p = bench("--help")
+    assert p.returncode == 0, p.stderr
+    listed = {line.split()[0] for line in p.stdout.split("benchmarks:\n", 1)[1].split("\n\n", 1)[0].splitlines()}
+    assert PORTED <= listed, PORTED - listed
+    assert "broken" not in p.stdout
+    probe = ("import sys; from jobs.bench.__main__ import listing; listing(); "
+             "print(sorted(m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_unknown_benchmark_and_malformed_module(tmp_path):
+    p = bench("no_such_benchmark")
+    assert p.returncode != 0 and "unknown benchmark 'no_such_benchmark'" in p.stderr
+    bad = tmp_path / "half.py"
+    bad.write_text('NAME = "half"\nHELP = "x"\ndef run(args, harness):\n    return {}\n')
+    assert inspect_module(bad).problem == "no add_arguments function"
+    bad.write_text('NAME = "other"\nHELP = "x"\n')
+    assert "differs from the file name" in inspect_module(bad).problem
+    assert all(info.problem is None for info in discover().values())
+
+
+def test_call_order_and_interleave_in_process(tmp_path):
+    assert [call_order(["A", "B"], r, "alternate") for r in range(3)] == [["A", "B"], ["B", "A"], ["A", "B"]]
+    assert [call_order(["A", "B", "C"], r, "rotate") for r in range(3)] == [["A", "B", "C"], ["B", "C", "A"],
+                                                                             ["C", "A", "B"]]
+    h = Harness("t", tmp_path, ["t"])
+    calls, marks = [], []
+    values = {"A": [100.0, 1.0, 3.0, 2.0], "B": [100.0, 10.0, 30.0, 20.0]}
+    s = h.interleave({c: (lambda rep, c=c: (calls.append((c, rep)), {"v": values[c][rep]})[1]) for c in "AB"}, 3,
+                     warmup=1, after_warmup=lambda: marks.append(len(calls)))
+    assert marks == [2]  # after the warm-up repetition, before the first measured call
+    assert calls == [("A", 0), ("B", 0), ("B", 1), ("A", 1), ("A", 2), ("B", 2), ("B", 3), ("A", 3)]
+    assert s.values("A", "v") == [1.0, 3.0, 2.0]  # warm-up value 100 left out
+    assert s.median("A", "v") == 2.0 and s.median("B", "v") == 20.0 and s.total("B", "v") == 60.0
+    assert len(s.values("A")) == 3  # wall_s always recorded
+    table = h.compare(s, "v", baseline="A")
+    assert table["B"]["ratio"] == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        h.interleave({"A": lambda rep: None}, 0)
+    with pytest.raises(TypeError):
+        h.interleave({"A": lambda rep: "text"}, 1)
+
+
+def test_busy_loop_through_the_cli(tmp_path):
+    p = bench("busy_loop", "--iterations", "20000", "--reps", "5", "--warmup", "1", "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert "[bench] CPU " in p.stdout and "torch " in p.stdout
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert not list(tmp_path.glob(".*.tmp"))
+    env = doc["environment"]
+    assert env["cores"] >= 1 and env["torch"] and isinstance(env["bf16"], list)
+    s = doc["samples"]["loops"]
+    # measured repetitions 1..5 after one warm-up: B A, A B, B A, ...
+    assert s["calls"] == [["2x", "1x"], ["1x", "2x"], ["2x", "1x"], ["1x", "2x"], ["2x", "1x"]]
+    wall = {c: s["metrics"][c]["wall_s"] for c in ("1x", "2x")}
+    assert all(len(v) == 5 for v in wall.values())
+    assert s["metrics"]["2x"]["iterations"] == [40000.0] * 5
+    med = {c: statistics.median(v) for c, v in wall.items()}
+    assert doc["results"]["median_ms"]["1x"] == pytest.approx(med["1x"] * 1e3)
+    assert doc["results"]["ratio_2x_to_1x"] == pytest.approx(med["2x"] / med["1x"])
+    assert doc["results"]["ratio_2x_to_1x"] > 1.0  # twice the work takes longer
+    (title, table), = doc["tables"].items()
+    assert [r[0] for r in table["rows"]] == ["1x", "2x"]
+
+
+def test_drafter_benchmark_end_to_end(tmp_path):
+    p = bench("drafter", "--layers", "1", "--draft-vocab", "512", "--seq", "64", "--prompt", "8", "--anchors", "8",
+              "--steps", "2", "--context", "32", "--rounds", "2", "--out", str(tmp_path), timeout=180)
+    assert p.returncode == 0, p.stderr
+    assert "TRAIN:" in p.stdout and "DRAFT ROUND: batch 4" in p.stdout
+    doc = json.loads((tmp_path / "results.json").read_text())
+    r = doc["results"]
+    assert r["train"]["positions_per_s"] > 0 and r["draft_vocab"] == 512
+    assert set(r["draft_round"]) == {f"batch {b}, T={t}" for b in (1, 4) for t in (0.0, 1.0)}
+    steps = doc["samples"]["train"]["metrics"]["train step"]
+    assert len(steps["positions"]) == 2 and all(x > 0 for x in steps["positions"])
+    rounds = doc["samples"]["draft round batch 1"]
+    assert len(rounds["calls"]) == 2 and rounds["calls"] == [["T=0.0", "T=1.0"], ["T=1.0", "T=0.0"]]  # after 2 warm-ups
+    assert r["draft_round"]["batch 1, T=0.0"]["propose_ms"] == pytest.approx(
+        statistics.median(rounds["metrics"]["T=0.0"]["propose_s"]) * 1e3)
