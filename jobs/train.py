@@ -1,60 +1,119 @@
-"""Stage 3 - train the DSpark (or DFlash baseline) drafter with Ray Train on the stage-2 hidden states.
+"""Stage 3 - train the DSpark (or DFlash baseline) drafter on the stage-2 hidden states.
 
-TorchTrainer runs pipeline.training.train_loop_per_worker on --workers CPU workers (gloo all-reduce of the
-gradients), reading samples from the disk store or Mooncake through the same interface.  Writes to --out:
-metrics.jsonl, loss_curve.png, learning_curve.png (held-out tau vs supervised positions seen,
-every --eval-every steps), Ray Train checkpoints (every --checkpoint-every steps and at the end; --resume
-continues from the latest with identical optimizer/scheduler state), plan.json (draft vocabulary, split) and the
-exported drafter checkpoint `drafter/` (speculators / vLLM `method: dspark` format)."""
+One training loop (pipeline.trainer.Trainer), two back ends:
+
+* --backend ray (default): Ray Train's TorchTrainer runs it on --workers workers - CPU workers with a gloo
+  all-reduce of the gradients, or with --gpus-per-worker G GPU workers (NCCL, bf16 autocast, each on its own
+  device); the workers' extra resources follow the node roles of pipeline/placement.py (--worker-resources);
+* --backend local: the same loop in this process, without Ray (one GPU or a laptop; --device).
+
+Samples come from the disk store or Mooncake through the same interface.  Writes to --out: metrics.jsonl,
+loss_curve.png, learning_curve.png (held-out tau vs supervised positions seen, every --eval-every steps),
+checkpoints (every --checkpoint-every steps and at the end: Ray Train's under ray/, the local back end's under
+checkpoints/, the same train_state.pt; --resume continues from the latest with identical optimizer/scheduler state),
+plan.json (draft vocabulary, split) and the exported drafter checkpoint `drafter/` (speculators / vLLM
+`method: dspark` format).  --dry-run prints, as JSON, what would be launched and exits.
+
+The other stages of a one-machine life cycle are their own jobs: jobs.generate, jobs.extract (--extractor hf:
+transformers), jobs.calibrate and jobs.evaluate (both in one process, --device)."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env, reexec_for_process_env
+import json
+import shutil
+
+from pipeline.config_cli import parse_config
+from pipeline.placement import TRAINING, parse_resources, role_resources
+from pipeline.runtime import apply_env, init_ray, reexec_for_process_env, resolve_device
+from pipeline.shards import atomic_write_json
+from pipeline.stores import open_hidden_store
+from pipeline.trainer import train_local
+from pipeline.training import (LOCAL_CHECKPOINTS, TrainConfig, latest_checkpoint, plan, plot_learning_curves,
+                               planned_steps, plot_metrics, split_ids, use_bf16_autocast)
+
+RUN_NAME = "train"  # Ray Train's run folder under <out>/ray
+CHECKPOINTS_KEPT = 2
 
 
 def main(argv=None):
     apply_env()
-    from ray.train import CheckpointConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from pipeline.config_cli import parse_config
-    from pipeline.runtime import init_ray
-    from pipeline.shards import atomic_write_json
-    from pipeline.train_backend import LoopbackTorchConfig
-    from pipeline.placement import TRAINING, role_resources
-    from pipeline.training import (TrainConfig, latest_checkpoint, plan, plot_learning_curves, plot_metrics,
-                                   train_loop_per_worker)
-
     cfg = parse_config(TrainConfig, argv, description=__doc__)
     cfg.out, cfg.data = cfg.out.resolve(), cfg.data.resolve()
+    if cfg.dry_run:
+        spec = dry_run(cfg)
+        print(json.dumps(spec, indent=1))
+        return spec
     cfg.out.mkdir(parents=True, exist_ok=True)
-    resume_from = None
+    resume_from = resume_point(cfg)
+    if cfg.backend == "local":
+        result = train_local(write_plan(cfg), resume_from)
+    else:
+        result = fit_on_ray(cfg, resume_from)
+    plot_metrics(cfg.out / "metrics.jsonl", cfg.out / "loss_curve.png")
+    curve = cfg.out / "learning_curve.png"
+    has_curve = plot_learning_curves({cfg.drafter: cfg.out / "metrics.jsonl"}, curve)
+    print(f"[train] done: drafter at {cfg.out / 'drafter'}, metrics {cfg.out / 'metrics.jsonl'}, "
+          f"curves {cfg.out / 'loss_curve.png'}" + (f", {curve}" if has_curve else ""))
+    return result
+
+
+def resume_point(cfg: TrainConfig):
+    """--resume: the latest checkpoint under --out (either back end's).  A fresh run: a fresh log, and no old
+    checkpoints (Ray Train would auto-restore from its run state)."""
     if cfg.resume:
         resume_from = latest_checkpoint(cfg.out)
         if resume_from is None:
-            raise SystemExit(f"--resume: no checkpoint under {cfg.out}/ray")
+            raise SystemExit(f"--resume: no checkpoint under {cfg.out}/ray or {cfg.out}/{LOCAL_CHECKPOINTS}")
         print(f"[train] resuming from {resume_from}")
-    else:  # a fresh run: fresh log, and no Ray Train run state to auto-restore from
-        import shutil
+        return resume_from
+    (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
+    for sub in ("ray", LOCAL_CHECKPOINTS):
+        shutil.rmtree(cfg.out / sub, ignore_errors=True)
+    return None
 
-        (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
-        shutil.rmtree(cfg.out / "ray", ignore_errors=True)
-    # Ray Train v2's placement-group cleaner polls the state API every second, which needs the dashboard: without
-    # it every poll fails with a warning. A local cluster started here gets one (bound to 127.0.0.1).
-    ray = init_ray(cfg.address, dashboard=True)
+
+def write_plan(cfg: TrainConfig) -> dict:
+    """pipeline.training.plan (ids, split, draft vocabulary, steps), printed and kept as plan.json."""
     p = plan(cfg)
     print(f"[train] {len(p['train_ids'])} training / {len(p['holdout_ids'])} held-out samples, "
           f"{p['total_steps']} steps; {p['draft_vocab_report']}")
     atomic_write_json(cfg.out / "plan.json", {k: v for k, v in p.items() if k != "train"} | {"config": p["train"]})
-    resources = role_resources(TRAINING, cfg.worker_resources, "worker-resources")
-    print(f"[train] {cfg.workers} worker(s), resources {resources or 'unconstrained'}")
+    return p
+
+
+# ---- Ray Train ---------------------------------------------------------------------------------------------------
+def scaling_fields(cfg: TrainConfig, role: dict) -> dict:
+    """ScalingConfig's arguments: --workers workers, each --cpus-per-worker CPUs (+ --gpus-per-worker GPUs) and the
+    training role's resources `role`."""
+    gpu = {"GPU": float(cfg.gpus_per_worker)} if cfg.gpus_per_worker > 0 else {}
+    return dict(num_workers=cfg.workers, use_gpu=cfg.gpus_per_worker > 0,
+                resources_per_worker={"CPU": float(cfg.cpus_per_worker), **gpu, **role})
+
+
+def run_fields(cfg: TrainConfig) -> dict:
+    return dict(name=RUN_NAME, storage_path=str(cfg.out / "ray"), checkpoints_kept=CHECKPOINTS_KEPT)
+
+
+def fit_on_ray(cfg: TrainConfig, resume_from):
+    from ray.train import CheckpointConfig, LoggingConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.train_backend import LoopbackTorchConfig, train_loop_per_worker  # imports ray
+
+    # Ray Train v2's placement-group cleaner polls the state API every second, which needs the dashboard: without
+    # it every poll fails with a warning. A local cluster started here gets one (bound to 127.0.0.1).
+    init_ray(cfg.address, dashboard=True)
+    p = write_plan(cfg)
+    scaling = scaling_fields(cfg, role_resources(TRAINING, cfg.worker_resources, "worker-resources"))
+    print(f"[train] {cfg.workers} worker(s), resources {scaling['resources_per_worker']}, "
+          f"{cfg.process_group_backend}")
+    run = run_fields(cfg)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=p | {"resume_from": str(resume_from) if resume_from else None},
-        torch_config=LoopbackTorchConfig(),  # store + gloo on 127.0.0.1
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=False,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **resources}),
-        run_config=RunConfig(name="train", storage_path=str(cfg.out / "ray"),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+        torch_config=LoopbackTorchConfig(backend=cfg.process_group_backend),  # store + sockets on 127.0.0.1
+        scaling_config=ScalingConfig(**scaling),
+        run_config=RunConfig(name=run["name"], storage_path=run["storage_path"],
+                             checkpoint_config=CheckpointConfig(num_to_keep=run["checkpoints_kept"]),
                              # Train's print patch sends a worker's print to its logger AND (as our workers' stdout
                              # is wrapped) to stdout: every line twice on the driver. Plain prints, once.
                              worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
@@ -64,12 +123,68 @@ def main(argv=None):
     result = trainer.fit()
     if result.error:
         raise result.error
-    plot_metrics(cfg.out / "metrics.jsonl", cfg.out / "loss_curve.png")
-    curve = cfg.out / "learning_curve.png"
-    has_curve = plot_learning_curves({cfg.drafter: cfg.out / "metrics.jsonl"}, curve)
-    print(f"[train] done: drafter at {cfg.out / 'drafter'}, metrics {cfg.out / 'metrics.jsonl'}, "
-          f"curves {cfg.out / 'loss_curve.png'}" + (f", {curve}" if has_curve else ""))
     return result
+
+
+# ---- --dry-run ---------------------------------------------------------------------------------------------------
+def dry_run(cfg: TrainConfig) -> dict:
+    """What `main` would launch, without starting Ray or training: the Ray resources (ScalingConfig fields, the
+    placement rule of the training role, the cluster total), the torch back end and dtype, the trainer
+    configuration, and the data it would read (the store's manifest only: sample counts and the step count)."""
+    out = dict(job="train", backend=cfg.backend)
+    if cfg.backend == "ray":
+        explicit = parse_resources(cfg.worker_resources, "worker-resources")
+        role = explicit if explicit is not None else {}
+        scaling = scaling_fields(cfg, role)
+        placement = dict(role=TRAINING, worker_resources=cfg.worker_resources or "auto", applied=role)
+        if explicit is None:  # pipeline/placement.py's rule, decided by the cluster at launch
+            placement["rule"] = (f"auto: each worker also asks for {{'{TRAINING}': 1}} when the cluster declares "
+                                 f"'{TRAINING}' nodes (ray start --resources '{{\"{TRAINING}\": M}}'), else nothing")
+            placement["resources_per_worker_on_training_nodes"] = scaling_fields(
+                cfg, {TRAINING: 1.0})["resources_per_worker"]
+        total = {k: v * cfg.workers for k, v in scaling["resources_per_worker"].items()}
+        out["ray"] = dict(address=cfg.address or "local ray.init() (or RAY_ADDRESS)", scaling_config=scaling,
+                          placement=placement, total_resources=total,
+                          torch_config=dict(cls="pipeline.train_backend.LoopbackTorchConfig",
+                                            backend=cfg.process_group_backend,
+                                            rendezvous="TCPStore + sockets on 127.0.0.1 when the node address is "
+                                                       "127.0.0.1, else Ray's default"),
+                          run_config=run_fields(cfg))
+        device = "cuda (ray.train.torch.get_device(), one per worker)" if cfg.gpus_per_worker > 0 else "cpu"
+        device_type = "cuda" if cfg.gpus_per_worker > 0 else "cpu"
+        process_group = cfg.process_group_backend if cfg.workers > 1 else f"{cfg.process_group_backend} (1 rank)"
+    else:
+        out["ray"] = None
+        device = resolve_device(cfg.device)  # auto: what PyTorch sees here
+        device_type = device.split(":")[0]
+        process_group = None
+    bf16 = use_bf16_autocast(cfg, device_type)
+    out["torch"] = dict(device=device, process_group=process_group, master_weights="float32",
+                        autocast="bfloat16" if bf16 else None, threads_per_worker=cfg.cpus_per_worker)
+    out["trainer"] = cfg.to_plan()
+    out["data"] = data_summary(cfg)
+    return out
+
+
+def data_summary(cfg: TrainConfig) -> dict:
+    """The store's manifest -> samples, split and step count (no sample is read); a missing store is said, not
+    fatal (a dry run may precede extraction)."""
+    where = str(cfg.data) if cfg.store == "disk" else f"mooncake:{cfg.mooncake_prefix}"
+    if cfg.store == "disk" and not (cfg.data / "manifest.json").is_file():
+        return dict(store=cfg.store, location=where, manifest=None, total_steps=cfg.max_steps)
+    store = open_hidden_store(cfg.store, cfg.data, cfg.mooncake_prefix, master_addr=cfg.mooncake_master,
+                              metadata_url=cfg.mooncake_metadata)
+    try:
+        manifest = store.manifest()
+    finally:
+        store.close()
+    ids = list(manifest["sample_ids"])
+    train_ids, hold_ids = split_ids(ids, cfg.holdout_frac)
+    return dict(store=cfg.store, location=where, samples=len(ids), train_samples=len(train_ids),
+                holdout_samples=len(hold_ids), layer_ids=manifest.get("layer_ids"),
+                num_tokens=manifest.get("num_tokens"), seqs_per_step_all_workers=cfg.seqs_per_step * cfg.workers,
+                total_steps=planned_steps(cfg, len(train_ids)),
+                resume_from=str(latest_checkpoint(cfg.out)) if cfg.resume else None)
 
 
 if __name__ == "__main__":

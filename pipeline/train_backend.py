@@ -1,4 +1,9 @@
-"""Ray Train's torch back end, with the gradient all-reduce's listeners on loopback.
+"""Ray Train's side of training: the worker loop TorchTrainer runs, and its torch back end with the gradient
+all-reduce's listeners on loopback.
+
+``train_loop_per_worker(plan)`` builds pipeline.trainer.Trainer with Ray's hooks: rank and world size from the Train
+context, the device from ``ray.train.torch.get_device()`` on GPU workers, the checkpoint to resume from (Ray Train's
+own after a worker-group restart, else jobs.train's --resume), checkpoints and metrics through ``ray.train.report``.
 
 Ray Train's stock ``TorchConfig`` lets ``torch.distributed`` rendezvous through a TCPStore that rank 0 starts, and
 that server listens on every interface (``*:port``; PyTorch has no bind-address option).  Traffic still goes to
@@ -9,23 +14,34 @@ cluster is (Ray's node address is 127.0.0.1, see ``pipeline.runtime``):
   in that worker process until the group shuts down;
 * every rank -- rank 0 included -- joins as a client (``TORCHELASTIC_USE_AGENT_STORE=True``, the switch
   torchelastic uses when its agent hosts the store), through ``env://`` with MASTER_ADDR=127.0.0.1;
-* gloo's own pair sockets bind the loopback interface (``GLOO_SOCKET_IFNAME``, unless the user set it).
+* gloo's own pair sockets bind the loopback interface (``GLOO_SOCKET_IFNAME``, unless the user set it), and so
+  does NCCL's bootstrap (``NCCL_SOCKET_IFNAME``) between GPU workers.
 
-On a cluster whose node address is not loopback, or with a non-gloo back end, it behaves exactly like
-``TorchConfig``.  Uses Ray Train's private helpers; Ray is pinned (pyproject.toml).
+The back end is gloo between CPU workers and NCCL between GPU workers (``backend=None``, Ray's rule), or what
+``backend`` names.  On a cluster whose node address is not loopback it behaves exactly like ``TorchConfig``.  Uses
+Ray Train's private helpers; Ray is pinned (pyproject.toml).
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import (V1WorkerGroup, _set_torch_distributed_env_vars, _setup_torch_process_group,
                                     _TorchBackend, get_address_and_port)
 
 from pipeline.runtime import LOOPBACK
+from pipeline.trainer import Placement, Trainer, TrainerHooks
+from pipeline.training import STATE_FILE
 
 # rank 0's (listening socket, TCPStore server); module state of that worker process, released on shutdown
 _HOSTED_STORE: tuple | None = None
@@ -42,8 +58,6 @@ def loopback_interface() -> str:
 
 def host_store_on_loopback() -> int:
     """Start the rendezvous TCPStore server on 127.0.0.1 in this process; returns its port."""
-    import torch.distributed as dist
-
     global _HOSTED_STORE
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -67,23 +81,31 @@ def release_hosted_store() -> None:
 
 
 def join_loopback_store(port: int) -> None:
-    """Point this worker's ``env://`` rendezvous at the loopback store, as a client; gloo on loopback."""
+    """Point this worker's ``env://`` rendezvous at the loopback store, as a client; gloo's sockets and NCCL's
+    bootstrap on the loopback interface."""
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
+
+
+def process_group_backend(worker_group, backend_config) -> str:
+    """The configured back end, or Ray's rule: NCCL when the workers have GPUs, else gloo."""
+    if backend_config.backend is not None:
+        return backend_config.backend
+    return "nccl" if worker_group.get_resources_per_worker().get("GPU", 0) > 0 else "gloo"
 
 
 class _LoopbackTorchBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config):
         addr, _ = worker_group.execute_single(0, get_address_and_port)
-        if addr != LOOPBACK or backend_config.backend not in (None, "gloo"):
+        backend = process_group_backend(worker_group, backend_config)
+        if addr != LOOPBACK or backend not in ("gloo", "nccl"):
             return super().on_start(worker_group, backend_config)
         port = worker_group.execute_single(0, host_store_on_loopback)
         worker_group.execute(join_loopback_store, port=port)
         if not isinstance(worker_group, V1WorkerGroup):
             worker_group.execute(_set_torch_distributed_env_vars)
-        import ray
-
-        ray.get([worker_group.execute_single_async(rank, _setup_torch_process_group, backend="gloo",
+        ray.get([worker_group.execute_single_async(rank, _setup_torch_process_group, backend=backend,
                                                    world_rank=rank, world_size=len(worker_group),
                                                    init_method="env://", timeout_s=backend_config.timeout_s)
                  for rank in range(len(worker_group))])
@@ -98,10 +120,53 @@ class _LoopbackTorchBackend(_TorchBackend):
 
 @dataclass
 class LoopbackTorchConfig(TorchConfig):
-    """``TorchConfig`` whose rendezvous store and gloo sockets listen on 127.0.0.1 only (module docstring)."""
+    """``TorchConfig`` whose rendezvous store, gloo sockets and NCCL bootstrap listen on 127.0.0.1 only (module
+    docstring).  backend None: NCCL between GPU workers, gloo between CPU workers."""
 
-    backend: str | None = "gloo"
+    backend: str | None = None
 
     @property
     def backend_cls(self):
         return _LoopbackTorchBackend
+
+
+# ---- the worker loop ---------------------------------------------------------------------------------------------
+class RayTrainHooks(TrainerHooks):
+    """Resume from Ray Train's checkpoint when it restarts a failed worker group, else from jobs.train's --resume
+    folder; every report (and checkpoint) goes through ray.train.report, which Ray Train keeps under <out>/ray."""
+
+    def __init__(self, resume_from: str | None):
+        self.resume_from = resume_from
+
+    def load_state(self, map_location) -> dict | None:
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is not None:
+            with ckpt.as_directory() as d:
+                return torch.load(Path(d) / STATE_FILE, map_location=map_location, weights_only=False)
+        if self.resume_from:
+            return torch.load(Path(self.resume_from) / STATE_FILE, map_location=map_location, weights_only=False)
+        return None
+
+    def report(self, row: dict, checkpoint: Path | None) -> None:
+        ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(checkpoint) if checkpoint else None)
+
+
+def quiet_ray_train_reports() -> None:
+    """Ray Train v2 logs every ``ray.train.report`` at INFO ("Reporting training result N: TrainingReport(...)", the
+    whole metrics dict) on a logger named by its file path, which ``LoggingConfig`` does not reach; our step lines
+    already say it.  Raise that one logger to WARNING (in the worker process)."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray layout: nothing to quiet
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def train_loop_per_worker(plan: dict) -> None:
+    """What TorchTrainer runs on each worker: pipeline.training.plan()'s dict (+ resume_from) -> Trainer.fit()."""
+    quiet_ray_train_reports()
+    ctx = ray.train.get_context()
+    gpu = plan["train"]["gpus_per_worker"] > 0
+    device = ray.train.torch.get_device() if gpu else torch.device("cpu")
+    placement = Placement(rank=ctx.get_world_rank(), world=ctx.get_world_size(), device=device)
+    Trainer(plan, placement, RayTrainHooks(plan.get("resume_from"))).fit()

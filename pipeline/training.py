@@ -1,9 +1,6 @@
-"""Training the DSpark / DFlash drafter: the per-worker loop that Ray Train's TorchTrainer runs (jobs.train).
-
-Read top to bottom: open the hidden-state store -> build the drafter from the target -> AdamW + warmup/cosine ->
-for each step: fetch this rank's sequences (prefetched), draw anchors, compute the loss of every sequence against
-one GLOBAL weight sum (Σw over all sequences of the step on all ranks, docs/dspark.md §5), backward, all-reduce the
-gradients (DDP-equivalent: one flat all-reduce per step), clip, step -> log, checkpoint via ray.train.report.
+"""Training the DSpark / DFlash drafter: the configuration, the data order, one optimizer step's forward/backward,
+the held-out measurements, the metrics and the driver-side plan.  The loop that runs them is ONE class,
+pipeline.trainer.Trainer, whichever way jobs.train launches it (Ray Train workers or one local process).
 
 Determinism: the data order of an epoch comes from (seed, epoch) and a step's anchors from (seed, rank, step), so a
 run resumed from a checkpoint (model + optimizer + scheduler + step) continues with exactly the losses it would
@@ -12,22 +9,29 @@ have had.
 from __future__ import annotations
 
 import json
-import logging
 import math
-import os
-import tempfile
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
+from pipeline.dspark.anchors import Blocks, anchor_candidates, block_labels, make_blocks
+from pipeline.dspark.config import DrafterConfig
+from pipeline.dspark.draft_vocab import build_draft_vocab, count_tokens
+from pipeline.dspark.losses import drafter_loss, weight_sum
+from pipeline.packed_linear import forget_packed
+from pipeline.stores import DiskHiddenStore, open_hidden_store
+from pipeline.stores.base import tensor_from_bytes
 from pipeline.subsets import subsample
+from pipeline.target_model import resolve_target
 
 STATE_FILE = "train_state.pt"
+LOCAL_CHECKPOINTS = "checkpoints"  # <out>/checkpoints/step_<n>/ of --backend local (Ray Train's live in <out>/ray)
+BACKENDS = ("ray", "local")
 
 
 @dataclass
@@ -71,9 +75,10 @@ class TrainConfig:
         "help": "position-weight decay: a number (reference code: 4.0) or 'gamma' (the paper: block size)"})
     distance: str = field(default="l1", metadata={"help": "distribution loss: l1 (reference) or tv (= l1/2)",
                                                   "choices": ["l1", "tv"]})
-    bf16: bool = field(default=False, metadata={
-        "help": "bf16 autocast for the drafter forward/backward (off by default: on this CPU, without native bf16 "
-                "matmul, it measured 3.5x SLOWER than fp32 - 21-25 vs 72-80 positions/s)"})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "bf16 autocast for the drafter forward/backward (fp32 master weights and optimizer state). Default: "
+                "on for CUDA devices, off on CPU (a 2-core CPU (AMD EPYC, avx512_bf16) without native bf16 matmul "
+                "measured it 3.5x SLOWER than fp32 - 21-25 vs 72-80 positions/s)"})
     holdout_frac: float = field(default=0.05, metadata={"help": "fraction of samples held out (for calibration)"})
     checkpoint_every: int = field(default=100, metadata={"help": "checkpoint every N steps (and at the end)"})
     eval_every: int = field(default=50, metadata={
@@ -87,8 +92,17 @@ class TrainConfig:
                 "that tau (tokens per round, as an engine rollout counts it; the teacher-forced tau averages over "
                 "positions and flatters a drafter that is good only where drafting is easy); 0 = off"})
     log_every: int = field(default=5, metadata={"help": "log metrics every N steps"})
-    workers: int = field(default=1, metadata={"help": "Ray Train workers (DDP over gloo)"})
+    backend: str = field(default="ray", metadata={
+        "help": "ray: Ray Train TorchTrainer over --workers workers (an existing cluster or a local ray.init()); "
+                "local: one process without Ray (one GPU or a laptop, --device); same checkpoints and resume",
+        "choices": list(BACKENDS)})
+    workers: int = field(default=1, metadata={"help": "Ray Train workers (DDP: gloo on CPU, NCCL on GPUs)"})
     cpus_per_worker: int = field(default=2, metadata={"help": "CPUs (torch threads) per worker"})
+    gpus_per_worker: float = field(default=0.0, metadata={
+        "help": "GPUs per Ray Train worker: 0 = CPU workers (gloo); > 0 = GPU workers (use_gpu, NCCL, each on "
+                "ray.train.torch.get_device(), bf16 autocast unless --bf16 false)"})
+    device: str = field(default="auto", metadata={
+        "help": "(--backend local) torch device: auto = cuda when PyTorch sees a GPU, else cpu; or cpu, cuda, cuda:1"})
     worker_resources: str | None = field(default=None, metadata={
         "help": "extra Ray resources per worker as JSON, or auto: {\"training\": 1} when the cluster declares "
                 "training nodes, else none (see pipeline/placement.py); {} = no constraint"})
@@ -96,6 +110,12 @@ class TrainConfig:
     resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --out"})
     stop_after: int | None = field(default=None, metadata={
         "help": "end this run after N total steps (checkpointed), as a preemption would; --resume finishes it"})
+    max_seconds: float | None = field(default=None, metadata={
+        "help": "wall-clock budget of this run's training: end it after the first step past it (checkpointed, as "
+                "--stop-after; --resume finishes it)"})
+    dry_run: bool = field(default=False, metadata={
+        "help": "print what would be launched as JSON (Ray ScalingConfig and resources, placement, torch back end, "
+                "dtype, trainer configuration, step count from the store's manifest) and exit: no Ray, no training"})
     address: str | None = field(default=None, metadata={"help": "Ray address (default: a local ray.init())"})
 
     def __post_init__(self):  # a clear error naming the flag (parse_config turns it into a usage error)
@@ -109,15 +129,44 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.holdout_frac < 1:
             raise ValueError(f"--holdout-frac must be in [0, 1), got {self.holdout_frac}")
+        if self.gpus_per_worker < 0:
+            raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
+        for name in ("max_steps", "stop_after", "max_seconds"):  # optional caps: None = no cap
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.backend == "local" and self.workers != 1:
+            raise ValueError(f"--backend local trains in one process: --workers must be 1, got {self.workers}")
+        if self.backend == "local" and self.gpus_per_worker:
+            raise ValueError("--gpus-per-worker places Ray Train workers; --backend local takes --device instead")
+        if self.backend == "ray" and self.device != "auto":
+            raise ValueError("--device is for --backend local; Ray Train workers get their device from "
+                             "--gpus-per-worker")
 
     def decay_value(self):
         return "gamma" if self.loss_decay == "gamma" else float(self.loss_decay)
 
+    def to_plan(self) -> dict:
+        """The config as plain JSON values (what plan() hands the workers; `from_plan` reverses it)."""
+        return asdict(self) | {"data": str(self.data), "out": str(self.out)}
+
+    @classmethod
+    def from_plan(cls, values: dict) -> "TrainConfig":
+        return cls(**{k: (Path(v) if k in ("data", "out") else v) for k, v in values.items()})
+
+    @property
+    def process_group_backend(self) -> str:
+        """torch.distributed back end of the Ray Train workers: NCCL between GPU workers, gloo between CPU ones."""
+        return "nccl" if self.gpus_per_worker > 0 else "gloo"
+
+
+def use_bf16_autocast(cfg: TrainConfig, device: torch.device) -> bool:
+    """--bf16 if given, else on for CUDA devices and off on CPU (the flag's help says why)."""
+    return cfg.bf16 if cfg.bf16 is not None else torch.device(device).type == "cuda"
+
+
 
 # ---- data -------------------------------------------------------------------------------------------------------
 def open_store(cfg: TrainConfig):
-    from pipeline.stores import open_hidden_store
-
     return open_hidden_store(cfg.store, cfg.data, cfg.mooncake_prefix, master_addr=cfg.mooncake_master,
                              metadata_url=cfg.mooncake_metadata)
 
@@ -158,15 +207,9 @@ def step_sample_ids(ids: list[str], step: int, seqs_per_step: int, world: int, r
 
 def count_tokens_in_store(store, ids: list[str], vocab_size: int) -> torch.Tensor:
     """Counts of target ids over the supervised (loss-mask) tokens of the given samples."""
-    from pipeline.stores.disk import DiskHiddenStore
-    from pipeline.dspark.draft_vocab import count_tokens
 
     def pairs():  # (input_ids [T], loss_mask [T]) of each wanted sample
         if isinstance(store, DiskHiddenStore):  # column read: no hidden states loaded
-            import pyarrow.parquet as pq
-
-            from pipeline.stores.base import tensor_from_bytes
-
             want = set(ids)
             for p in store.shards.shard_paths():
                 for r in pq.read_table(p, columns=["sample_id", "n_tokens", "input_ids", "loss_mask"]).to_pylist():
@@ -184,8 +227,6 @@ def count_tokens_in_store(store, ids: list[str], vocab_size: int) -> torch.Tenso
 # ---- model ------------------------------------------------------------------------------------------------------
 def build_drafter_config(cfg: TrainConfig, target: Path, layer_ids: list[int], draft_vocab_size: int):
     from transformers import AutoConfig
-
-    from pipeline.dspark.config import DrafterConfig
 
     hf = AutoConfig.from_pretrained(str(target))
     extra = (dict(markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head, markov_w1_source=cfg.markov_w1)
@@ -207,29 +248,11 @@ def lr_lambda(total_steps: int, warmup_frac: float):
     return f
 
 
-def _flat_allreduce(params, world: int):
-    import torch.distributed as dist
-
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    off = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        if p.grad is None:
-            p.grad = flat[off:off + n].view_as(p).clone()
-        else:
-            p.grad.copy_(flat[off:off + n].view_as(p))
-        off += n
-
-
 # ---- one step's forward/backward ------------------------------------------------------------------------------
 def collate(samples: list[dict], blocks: list, need_target: bool, device=None) -> dict:
     """Right-pad store samples (and their per-sample Blocks) into one batch.  Padding is never read: a block at
     anchor p attends to context positions < p only, and labels / target statistics are gathered at supervised
     positions only.  -> dict(aux [B,T,n·d], ids [B,T], last [B,T,d] | None, lse [B,T] | None, blocks [B,S,γ])."""
-    from pipeline.dspark.anchors import Blocks
-
     T = max(int(s["input_ids"].shape[0]) for s in samples)
 
     def pad(t):  # [T_i, ...] -> [T, ...]
@@ -256,9 +279,6 @@ def step_seed(seed: int, rank: int, step: int, purpose: str = "") -> int:
 def step_blocks(samples: list[dict], num_anchors: int, block_size: int, decay, seed: int, rank: int, step: int):
     """This rank's anchors and block labels for `step`, drawn from (seed, rank, step) so a resumed run draws the same,
     and their local weight sum Σw (all-reduce it across ranks for the step's global denominator)."""
-    from pipeline.dspark.anchors import make_blocks
-    from pipeline.dspark.losses import weight_sum
-
     gen = torch.Generator().manual_seed(step_seed(seed, rank, step))
     blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], num_anchors, block_size, gen) for s in samples]
     return blocks, sum(float(weight_sum(b.label_mask, decay)) for b in blocks)
@@ -282,8 +302,6 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
     same for any micro_batch.  feature_noise > 0: the injected features get noise (`noisy_features`) drawn from
     `noise_seed`, so a resumed run draws the same.  -> (loss parts summed, supervised positions, per-position
     accuracy · count)."""
-    from pipeline.dspark.losses import drafter_loss
-
     need_target = target_head is not None
     todo = [(s, b) for s, b in zip(samples, blocks) if b.num_supervised > 0]
     todo.sort(key=lambda sb: -int(sb[0]["input_ids"].shape[0]))
@@ -319,8 +337,6 @@ def heldout_eval_ids(holdout_ids: list[str], n: int) -> list[str]:
 def evaluating(model):
     """Measure a drafter in the middle of training: eval mode, its packed weight copies dropped (the fused AdamW steps
     since the last measurement did not bump the weights' version counters), its training mode restored after."""
-    from pipeline.packed_linear import forget_packed
-
     was_training = model.training
     model.eval()
     forget_packed(model)
@@ -328,6 +344,17 @@ def evaluating(model):
         yield model
     finally:
         model.train(was_training)
+
+
+def on_model_device(model):
+    """sample -> the same sample with its tensors on the model's device (held-out samples come from a store on the
+    CPU; a no-op there)."""
+    device = model.fc.weight.device
+
+    def move(sample: dict) -> dict:
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in sample.items()}
+
+    return move
 
 
 @torch.no_grad()
@@ -340,12 +367,10 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
     verified against this sequence; tau = 1 + mean accepted (the +1 is the target's bonus token).  On responses the
     target generated greedily (jobs.generate's default) that is the greedy verification tau at depth γ.
     -> dict(tau, blocks, accept_hist [γ+1]: fraction of blocks accepting exactly j drafts)."""
-    from pipeline.dspark.anchors import anchor_candidates, block_labels
-
     G = model.cfg.block_size
     hist = torch.zeros(G + 1)
     with evaluating(model):
-        for s in samples:
+        for s in map(on_model_device(model), samples):
             ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
             cand = anchor_candidates(mask)[0].nonzero().squeeze(1)  # [C]
             blk = block_labels(ids, mask, cand[None], torch.ones(1, len(cand), dtype=torch.bool), G)
@@ -358,7 +383,7 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
             logits = model.block_logits(h, blk.prev[:, keep]).logits  # [S·γ, V_d]
             pred = model.draft_ids[logits.argmax(-1)].view(-1, G)  # target ids
             accepted = (pred == blk.labels[0, keep]).long().cumprod(-1).sum(-1)  # [S]
-            hist += torch.bincount(accepted, minlength=G + 1).float()
+            hist += torch.bincount(accepted, minlength=G + 1).float().cpu()
     n = float(hist.sum())
     tau = float(1.0 + (hist * torch.arange(G + 1)).sum() / n) if n else float("nan")
     return dict(tau=tau, blocks=int(n), accept_hist=(hist / max(n, 1.0)).tolist())
@@ -371,12 +396,10 @@ def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
     tokens from the last emitted one, keeps the matching prefix (a) plus the target's bonus token and moves a + 1
     tokens on, until max_tokens are emitted.  tau = tokens emitted by rounds / rounds, so (unlike the
     position-averaged teacher-forced tau) easy stretches count once per round, as in a rollout."""
-    from pipeline.dspark.anchors import block_labels
-
     G = model.cfg.block_size
     emitted = rounds = 0
     with evaluating(model):
-        for s in samples:
+        for s in map(on_model_device(model), samples):
             ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
             resp = mask[0].nonzero().squeeze(1)
             if len(resp) < 2:
@@ -399,7 +422,7 @@ def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
 
 def metrics_row(step: int, lr: float, grad_norm: float, positions: int, seconds: float, n_sup: int, parts: dict,
                 acc: torch.Tensor, positions_seen: int | None = None) -> dict:
-    """One metrics.jsonl row (the Ray loop and scripts/train_on_gpu.py log the same fields; plot_metrics reads them).
+    """One metrics.jsonl row (pipeline.trainer.Trainer logs it on every back end; plot_metrics reads them).
     positions / seconds: supervised positions since the last row and the wall time they took; positions_seen: all
     supervised positions trained on so far (all ranks, kept across --resume)."""
     row = dict(step=step, lr=lr, grad_norm=grad_norm, positions_per_s=positions / max(seconds, 1e-9),
@@ -412,158 +435,6 @@ def metrics_row(step: int, lr: float, grad_norm: float, positions: int, seconds:
 def append_metrics(path: Path, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
-
-
-# ---- the loop ---------------------------------------------------------------------------------------------------
-def quiet_ray_train_reports() -> None:
-    """Ray Train v2 logs every ``ray.train.report`` at INFO ("Reporting training result N: TrainingReport(...)", the
-    whole metrics dict) on a logger named by its file path, which ``LoggingConfig`` does not reach; our step lines
-    already say it.  Raise that one logger to WARNING (in the worker process)."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:  # another Ray layout: nothing to quiet
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
-def train_loop_per_worker(config: dict):
-    import ray.train
-
-    quiet_ray_train_reports()
-
-    from pipeline.dspark.drafter import DSparkDrafter
-    from pipeline.dspark.losses import LossConfig, TargetHead
-
-    cfg = TrainConfig(**{k: (Path(v) if k in ("data", "out") else v) for k, v in config["train"].items()})
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(cfg.cpus_per_worker)
-    torch.manual_seed(cfg.seed)
-    target = Path(config["target"])
-    train_ids = config["train_ids"]
-    draft_ids = torch.tensor(config["draft_ids"], dtype=torch.long) if config["draft_ids"] is not None else None
-
-    dcfg = build_drafter_config(cfg, target, config["layer_ids"], len(config["draft_ids"] or []) or None)
-    model = DSparkDrafter.from_target(dcfg, target, draft_ids=draft_ids)
-    params = model.trainable_parameters()
-    if world > 1:  # identical start on every rank
-        import torch.distributed as dist
-
-        for p in params:
-            dist.broadcast(p.data, 0)
-    loss_cfg = LossConfig(kind=cfg.drafter, distance=cfg.distance, decay=cfg.decay_value())
-    need_target = loss_cfg.dist_weight > 0 or loss_cfg.conf_weight > 0
-    target_head = None
-    if need_target:
-        from pipeline.target_weights import load_target_weights
-
-        target_head = TargetHead(load_target_weights(target).lm_head, model.draft_ids)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)  # fused: ~7x faster on CPU
-    total = config["total_steps"]
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_frac))
-    start, positions_seen = 0, 0
-    ckpt = ray.train.get_checkpoint()  # set when Ray Train restarts a failed worker group
-    state = None
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / STATE_FILE, weights_only=False)
-    elif config.get("resume_from"):  # --resume: the latest checkpoint of an earlier run (jobs.train finds it)
-        state = torch.load(Path(config["resume_from"]) / STATE_FILE, weights_only=False)
-    if state is not None:
-        model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        start = state["step"]
-        positions_seen = state.get("positions_seen", 0)
-        if rank == 0:
-            print(f"[train] resumed at step {start}")
-
-    store = open_store(cfg)
-    pool = ThreadPoolExecutor(1)
-
-    def fetch(step):
-        return [store.get(i) for i in step_sample_ids(train_ids, step, cfg.seqs_per_step, world, rank, cfg.seed)]
-
-    metrics_path = Path(cfg.out) / "metrics.jsonl"
-    hold_ids = heldout_eval_ids(config.get("holdout_ids") or [], cfg.eval_samples)
-    hold_samples = None  # loaded on first use (rank 0)
-    pending = pool.submit(fetch, start) if start < total else None
-    t_last, pos_since, done = time.time(), 0, start
-    for step in range(start, total):
-        samples = pending.result()
-        pending = pool.submit(fetch, step + 1) if step + 1 < total else None
-        blocks, local_wsum = step_blocks(samples, cfg.num_anchors, cfg.block_size, loss_cfg.decay, cfg.seed, rank,
-                                         step)
-        wsum = torch.tensor([local_wsum])
-        if world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(wsum)
-        denom = max(float(wsum), 1e-12)
-        opt.zero_grad(set_to_none=True)
-        parts, n_sup, acc = accumulate_gradients(
-            model, target_head, samples, blocks, loss_cfg, denom, cfg.micro_batch, bf16=cfg.bf16,
-            feature_noise=cfg.feature_noise, noise_seed=step_seed(cfg.seed, rank, step, "noise:"))
-        if world > 1:
-            _flat_allreduce(params, world)
-            import torch.distributed as dist
-
-            n = torch.tensor([n_sup]); dist.all_reduce(n); n_sup = int(n)  # noqa: E702
-        gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        opt.step()
-        sched.step()
-        pos_since += n_sup
-        positions_seen += n_sup
-        done = step + 1
-        preempt = cfg.stop_after is not None and done >= cfg.stop_after
-        is_ckpt = done % cfg.checkpoint_every == 0 or done == total or preempt
-        is_eval = bool(cfg.eval_every) and (done % cfg.eval_every == 0 or done == total)
-        if done % cfg.log_every == 0 or is_ckpt or is_eval:
-            dt = time.time() - t_last
-            row = metrics_row(done, sched.get_last_lr()[0], gnorm, pos_since, dt, n_sup, parts, acc, positions_seen)
-            if rank == 0 and hold_ids and is_eval:
-                hold_samples = hold_samples or [store.get(i) for i in hold_ids]
-                ev = teacher_forced_tau(model, hold_samples, cfg.eval_blocks)
-                row |= dict(heldout_tau=ev["tau"], heldout_blocks=ev["blocks"], heldout_accept_hist=ev["accept_hist"])
-                if cfg.eval_walk_tokens:
-                    walk = greedy_walk_tau(model, hold_samples, cfg.eval_walk_tokens)
-                    row |= dict(heldout_walk_tau=walk["tau"], heldout_walk_rounds=walk["rounds"])
-            t_last, pos_since = time.time(), 0
-            if rank == 0:
-                append_metrics(metrics_path, row)
-                print(f"[train] step {done}/{total} loss {parts['loss']:.4f} "
-                      + " ".join(f"{k} {v:.4f}" for k, v in parts.items() if k != "loss")
-                      + f" | {row['positions_per_s']:.0f} pos/s lr {row['lr']:.2e}"
-                      + (f" | held-out tau {row['heldout_tau']:.3f}" if "heldout_tau" in row else "")
-                      + (f" (replayed {row['heldout_walk_tau']:.3f})" if "heldout_walk_tau" in row else ""),
-                      flush=True)
-        else:
-            row = dict(step=done, loss=parts["loss"])
-        if is_ckpt:
-            with tempfile.TemporaryDirectory() as d:
-                checkpoint = None
-                if rank == 0:
-                    torch.save({"model": {k: v for k, v in model.state_dict().items()
-                                          if not k.startswith(("embed_tokens", "lm_head"))},
-                                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": done,
-                                "positions_seen": positions_seen,
-                                "drafter_config": dcfg.to_dict(), "draft_ids": config["draft_ids"]},
-                               Path(d) / STATE_FILE)
-                    checkpoint = ray.train.Checkpoint.from_directory(d)
-                ray.train.report(row, checkpoint=checkpoint)
-        elif done % cfg.log_every == 0:
-            ray.train.report(row)
-        if preempt and done < total:
-            if rank == 0:
-                print(f"[train] stopping after step {done} (--stop-after); rerun with --resume to finish")
-            break
-    pool.shutdown()
-    if rank == 0 and done == total:
-        from pipeline.dspark.checkpoint import export_checkpoint
-
-        path = export_checkpoint(model, Path(cfg.out) / "drafter", verifier_name_or_path=str(target))
-        print(f"[train] exported drafter checkpoint to {path}")
-    store.close()
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> None:
@@ -636,9 +507,13 @@ def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = N
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest Ray Train checkpoint folder under run_dir/ray (by the step stored inside)."""
+    """The newest checkpoint folder of a run (by the step stored inside): Ray Train's under run_dir/ray or the local
+    back end's under run_dir/checkpoints (the same STATE_FILE, so either back end resumes either's checkpoint)."""
     best, best_step = None, -1
-    for f in Path(run_dir, "ray").rglob(STATE_FILE):
+    found = [f for sub in ("ray", LOCAL_CHECKPOINTS) for f in Path(run_dir, sub).rglob(STATE_FILE)]
+    for f in found:
+        if f.parent.name.endswith(".partial"):  # a local checkpoint whose copy did not finish
+            continue
         try:
             step = torch.load(f, weights_only=False, map_location="cpu")["step"]
         except Exception:  # a checkpoint being written when the run died
@@ -662,11 +537,13 @@ def special_token_ids(target: Path, V: int) -> list[int]:
     return sorted(i for i in ids if 0 <= i < V)
 
 
+def planned_steps(cfg: TrainConfig, num_train: int) -> int:
+    """--max-steps, else --epochs passes over num_train sequences at seqs_per_step · workers per step."""
+    return cfg.max_steps or max(1, math.ceil(cfg.epochs * num_train / (cfg.seqs_per_step * cfg.workers)))
+
+
 def plan(cfg: TrainConfig) -> dict:
     """Driver side: ids, split, draft vocabulary, step count -> the per-worker config dict."""
-    from pipeline.dspark.draft_vocab import build_draft_vocab
-    from pipeline.target_model import resolve_target
-
     target = resolve_target(cfg.target)
     store = open_store(cfg)
     manifest = store.manifest()
@@ -682,9 +559,7 @@ def plan(cfg: TrainConfig) -> dict:
                                always_include=special, multiple_of=64)
         draft_ids, report = dv.draft_ids.tolist(), dv.report()
     store.close()
-    per_step = cfg.seqs_per_step * cfg.workers
-    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(train_ids) / per_step))
-    return dict(train=asdict(cfg) | {"data": str(cfg.data), "out": str(cfg.out)}, target=str(target),
+    return dict(train=cfg.to_plan(), target=str(target),
                 layer_ids=manifest["layer_ids"], train_ids=train_ids, holdout_ids=hold_ids, draft_ids=draft_ids,
-                draft_vocab_report=report, total_steps=total, store_manifest={k: manifest.get(k) for k in
+                draft_vocab_report=report, total_steps=planned_steps(cfg, len(train_ids)), store_manifest={k: manifest.get(k) for k in
                                                                                 ("target", "layer_ids", "num_tokens")})

@@ -1,61 +1,25 @@
 """jobs.train on a real local Ray cluster (TorchTrainer, CPU): a tiny random Llama target, hidden states extracted
-from it with the transformers extractor into a disk store; resume after a preemption continues with exactly the
-losses of an uninterrupted run; 2 workers (gloo all-reduce) train and export."""
+from it with the transformers extractor into a disk store (tests/tiny_training.py); resume after a preemption
+continues with exactly the losses of an uninterrupted run; 2 workers (gloo all-reduce) train and export; the
+single-process back end (--backend local) runs the same Trainer and matches the Ray path's losses."""
 import json
+import shutil
+import time
 
 import pytest
-import torch
 
-from pipeline.stores.disk import DiskHiddenStore
-from pipeline.hf_extractor import HFExtractor
+from jobs.train import main
+from pipeline.dspark.checkpoint import load_drafter
+from pipeline.training import read_learning_curve
+from tiny_training import build_tiny_training_set, losses_by_step as _losses, train_args as _args
 
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, pad_token_id=0,
-                      eos_token_id=1, bos_token_id=2, tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(root / "target")
-    from pipeline.stores.base import full_vocab_lse
-
-    ex = HFExtractor(root / "target", [1, 2, 4])
-    store = DiskHiddenStore(root / "hidden", samples_per_shard=4)
-    g = torch.Generator().manual_seed(1)
-    for i in range(12):
-        T = 40 + 3 * i
-        ids = torch.randint(3, 256, (T,), generator=g).tolist()
-        aux, last = ex.extract(ids)
-        mask = torch.tensor([0] * 10 + [1] * (T - 10), dtype=torch.uint8)
-        sample = {"input_ids": torch.tensor(ids, dtype=torch.int32), "loss_mask": mask, "aux_hidden": aux,
-                  "last_hidden": last}
-        if i % 2:  # half the samples carry the cached full-vocabulary lse (both training paths run)
-            sample["target_lse"] = full_vocab_lse(last, model.lm_head.weight)
-        store.put(f"s{i}", sample)
-    store.commit({"layer_ids": [1, 2, 4], "target": str(root / "target")})
-    return root
-
-
-def _losses(out):
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
-
-
-def _args(root, out, *extra):
-    return ["--data", str(root / "hidden"), "--out", str(out), "--target", str(root / "target"),
-            "--max-steps", "6", "--seqs-per-step", "2", "--num-anchors", "8", "--checkpoint-every", "3",
-            "--log-every", "1", "--holdout-frac", "0.1", "--cpus-per-worker", "1", "--bf16", "false",
-            "--markov-rank", "16", "--eval-every", "2", *extra]
+    return build_tiny_training_set(tmp_path_factory.mktemp("tiny"))
 
 
 def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
-    from jobs.train import main
-    from pipeline.training import read_learning_curve
-
     # W1 parameterised from the target embedding (--markov-w1 embedding): its projection is trained, checkpointed
     # and resumed like every other weight, and folded into the exported table (asserted at the end); the feature
     # noise is drawn from (seed, rank, step), so a resumed run draws the same
@@ -66,6 +30,7 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     assert (tmp_path / "a" / "drafter" / "config.json").is_file() and (tmp_path / "a" / "loss_curve.png").is_file()
     main(_args(tiny_setup, tmp_path / "b", "--stop-after", "3", *opts))
     assert sorted(_losses(tmp_path / "b")) == [1, 2, 3] and not (tmp_path / "b" / "drafter").exists()
+    shutil.copytree(tmp_path / "b", tmp_path / "x")  # the preempted Ray run, finished below by the local back end
     main(_args(tiny_setup, tmp_path / "b", "--resume", *opts))
     resumed = _losses(tmp_path / "b")
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
@@ -87,20 +52,23 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     assert [t for _, t in walk_b] == pytest.approx([t for _, t in walk_a])
     assert (tmp_path / "a" / "learning_curve.png").is_file()
     # the exported drafter loads against its target
-    from pipeline.dspark.checkpoint import load_drafter
-
     d = load_drafter(tmp_path / "b" / "drafter", tiny_setup / "target")
     assert d.cfg.aux_layer_ids == [1, 2, 4] and d.cfg.kind == "dspark"
+    # the single-process back end runs the same Trainer: the same losses as the Ray Train worker, step by step; and
+    # it resumes the preempted Ray run's checkpoint (the same train_state.pt) exactly
+    main(_args(tiny_setup, tmp_path / "l", "--backend", "local", "--device", "cpu", *opts))
+    main(_args(tiny_setup, tmp_path / "x", "--backend", "local", "--device", "cpu", "--resume", *opts))
+    for run in ("l", "x"):
+        local = _losses(tmp_path / run)
+        assert sorted(local) == sorted(full), run
+        for step in range(1, 7):
+            assert local[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), (run, step)
 
 
 def test_train_two_workers_dflash(ray_session, tiny_setup, tmp_path, capfd):
-    import time
-
-    from jobs.train import main
-
     main(_args(tiny_setup, tmp_path / "c", "--workers", "2", "--drafter", "dflash", "--max-steps", "3"))
     # the workers' lines reach the driver through Ray's log monitor: each step line once, and none of Ray Train's
-    # per-report INFO dumps (pipeline.training.quiet_ray_train_reports)
+    # per-report INFO dumps (pipeline.train_backend.quiet_ray_train_reports)
     out, deadline = "", time.time() + 10
     while "exported drafter" not in out and time.time() < deadline:
         time.sleep(0.5)
@@ -163,8 +131,6 @@ def _is_loopback(addr: str) -> bool:
                                                 ("--holdout-frac", "1.5", "--holdout-frac must be in [0, 1)")])
 def test_train_rejects_bad_numbers_before_starting(tmp_path, capsys, flag, value, message):
     """Nonsense numbers are a usage error naming the flag, raised before Ray starts or --out is touched."""
-    from jobs.train import main
-
     with pytest.raises(SystemExit) as e:
         main(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "run"), flag, value])
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,326 @@
+"""ONE training loop for the drafter, whichever way it is launched: ``Trainer(plan, placement, hooks).fit()``.
+
+* ``plan``: pipeline.training.plan()'s dict (config, sample ids, split, draft vocabulary, step count);
+* ``placement``: where this worker sits (rank, world size, torch device);
+* ``hooks``: what the launcher plugs in - the state to resume from, and where reports and checkpoints go.
+
+Two launchers build it: Ray Train's worker loop (pipeline.train_backend.train_loop_per_worker: rank and world from
+the Train context, device from ray.train.torch.get_device(), checkpoints through ray.train.report) and one plain
+process (``train_local``, jobs.train --backend local: rank 0 of 1, checkpoints in <out>/checkpoints).  Both write
+the same STATE_FILE, so either resumes either's checkpoint.
+
+fit() reads top to bottom: for each step: this rank's sequences (prefetched) -> anchors -> the loss of every
+sequence against ONE global weight sum (Σw over all sequences of the step on all ranks, docs/dspark.md §5) ->
+backward -> all-reduce of the gradients (DDP-equivalent: one flat all-reduce per step) -> clip -> AdamW and
+warmup/cosine step -> log (rank 0; held-out tau every --eval-every steps) -> checkpoint; at the end rank 0 exports
+the drafter.  Resuming restores model + optimizer + scheduler + step + positions seen; the data order comes from
+(seed, epoch) and each step's random draws from (seed, rank, step), so the resumed losses equal the uninterrupted.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipeline.dspark.checkpoint import export_checkpoint
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.dspark.losses import LossConfig, TargetHead
+from pipeline.runtime import resolve_device
+from pipeline.target_weights import load_target_weights
+from pipeline.training import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, accumulate_gradients, append_metrics,
+                               build_drafter_config, greedy_walk_tau, heldout_eval_ids, lr_lambda, metrics_row,
+                               open_store, step_blocks, step_sample_ids, step_seed, teacher_forced_tau,
+                               use_bf16_autocast)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one trainer runs: its rank among `world` data-parallel workers and its torch device."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class TrainerHooks:
+    """The launcher's side of a run.  This base starts fresh and keeps no checkpoints (metrics.jsonl and the exported
+    drafter are written by the Trainer itself)."""
+
+    def load_state(self, map_location) -> dict | None:
+        """The checkpoint state (STATE_FILE's content) to continue from, or None for a fresh start."""
+        return None
+
+    def report(self, row: dict, checkpoint: Path | None) -> None:
+        """Called by EVERY rank at every logged step with that step's metrics row; `checkpoint` is the folder rank 0
+        just wrote (holding STATE_FILE, deleted after the call) on a checkpoint step, else None."""
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, summed over all ranks where it says so."""
+
+    parts: dict  # loss parts of this rank's sequences (each already divided by the GLOBAL weight sum)
+    supervised: int  # supervised positions of the step, all ranks
+    acc: torch.Tensor  # [γ] per-position top-1 accuracy · count, this rank
+    grad_norm: float
+
+
+class Trainer:
+    """Model, optimizer, scheduler, data order, anchors, step counter, evaluation and checkpoint state of one worker
+    (module docstring)."""
+
+    def __init__(self, plan: dict, placement: Placement = Placement(), hooks: TrainerHooks = TrainerHooks()):
+        self.plan, self.placement, self.hooks = plan, placement, hooks
+        self.cfg = cfg = TrainConfig.from_plan(plan["train"])
+        self.rank, self.world, self.device = placement.rank, placement.world, torch.device(placement.device)
+        self.target = Path(plan["target"])
+        self.train_ids: list[str] = plan["train_ids"]
+        self.total_steps: int = plan["total_steps"]
+        self.metrics_path = Path(cfg.out) / "metrics.jsonl"
+        torch.set_num_threads(cfg.cpus_per_worker)
+        torch.manual_seed(cfg.seed)
+
+        # the drafter: fp32 master weights on this worker's device, identical on every rank
+        draft_ids = torch.tensor(plan["draft_ids"], dtype=torch.long) if plan["draft_ids"] is not None else None
+        self.drafter_config = build_drafter_config(cfg, self.target, plan["layer_ids"],
+                                                   len(plan["draft_ids"] or []) or None)
+        self.model = DSparkDrafter.from_target(self.drafter_config, self.target, draft_ids=draft_ids).to(self.device)
+        self.params = self.model.trainable_parameters()
+        if self.world > 1:
+            for p in self.params:
+                dist.broadcast(p.data, 0)
+        self.bf16 = use_bf16_autocast(cfg, self.device)
+
+        # the loss and, for the distribution / confidence terms, the target's LM head over the draft vocabulary
+        self.loss_cfg = LossConfig(kind=cfg.drafter, distance=cfg.distance, decay=cfg.decay_value())
+        self.target_head = None
+        if self.loss_cfg.dist_weight > 0 or self.loss_cfg.conf_weight > 0:
+            lm_head = load_target_weights(self.target).lm_head.to(self.device)
+            self.target_head = TargetHead(lm_head, self.model.draft_ids)
+
+        # AdamW (fused: ~7x faster than the for-each kernel on CPU) with linear warmup then cosine to 0
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lr_lambda(self.total_steps, cfg.warmup_frac))
+        self.step = 0  # optimizer steps done
+        self.stop_reason = ""  # why fit() ended early (should_stop)
+        self.positions_seen = 0  # supervised positions trained on, all ranks, kept across resumes
+        self.hold_ids = heldout_eval_ids(plan.get("holdout_ids") or [], cfg.eval_samples)
+        self._hold_samples = None  # loaded on first evaluation (rank 0)
+        state = hooks.load_state(self.device)
+        if state is not None:
+            self.load_state_dict(state)
+            self.say(f"resumed at step {self.step}")
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def fit(self) -> bool:
+        """Train from the current step to the plan's last one, or until --stop-after / --max-seconds end the run
+        early (checkpointed).  True when the run is complete (rank 0 has exported the drafter)."""
+        cfg, total = self.cfg, self.total_steps
+        store = open_store(cfg)
+        started, t_last, positions_since = time.time(), time.time(), 0
+        try:
+            with closing(self.batches(store)) as batches:
+                for step, samples in batches:
+                    result = self.train_step(step, samples)
+                    positions_since += result.supervised
+                    stopping = self.should_stop(started)
+                    is_ckpt = self.step % cfg.checkpoint_every == 0 or self.step == total or stopping
+                    is_eval = bool(cfg.eval_every) and (self.step % cfg.eval_every == 0 or self.step == total)
+                    if self.step % cfg.log_every == 0 or is_ckpt or is_eval:
+                        row = metrics_row(self.step, self.scheduler.get_last_lr()[0], result.grad_norm,
+                                          positions_since, time.time() - t_last, result.supervised, result.parts,
+                                          result.acc, self.positions_seen)
+                        if is_eval and self.rank == 0:
+                            row |= self.evaluate(store)
+                        t_last, positions_since = time.time(), 0
+                        self.log(row, result.parts)
+                        self.report(row, checkpoint=is_ckpt)
+                    if stopping and self.step < total:
+                        self.say(f"stopping after step {self.step} ({self.stop_reason}); rerun with --resume "
+                                 "to finish")
+                        break
+            complete = self.step == total
+            if complete and self.rank == 0:
+                self.export()
+            return complete
+        finally:
+            store.close()
+
+    def batches(self, store):
+        """(step, this rank's samples) from the current step to the last; the next step's samples are read from the
+        store while this one trains."""
+        cfg, total = self.cfg, self.total_steps
+
+        def fetch(step):
+            ids = step_sample_ids(self.train_ids, step, cfg.seqs_per_step, self.world, self.rank, cfg.seed)
+            return [store.get(i) for i in ids]
+
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(fetch, self.step) if self.step < total else None
+            for step in range(self.step, total):
+                samples = pending.result()
+                pending = pool.submit(fetch, step + 1) if step + 1 < total else None
+                yield step, samples
+
+    def train_step(self, step: int, samples: list[dict]) -> StepResult:
+        """One optimizer step on this rank's sequences (every rank calls it with the same `step`)."""
+        cfg = self.cfg
+        blocks, local_wsum = step_blocks(samples, cfg.num_anchors, cfg.block_size, self.loss_cfg.decay, cfg.seed,
+                                         self.rank, step)
+        denom = max(float(self.sum_over_ranks(torch.tensor([local_wsum]))), 1e-12)  # Σw of the step, fp32
+        self.optimizer.zero_grad(set_to_none=True)
+        parts, n_sup, acc = accumulate_gradients(
+            self.model, self.target_head, samples, blocks, self.loss_cfg, denom, cfg.micro_batch, bf16=self.bf16,
+            device=self.device, feature_noise=cfg.feature_noise,
+            noise_seed=step_seed(cfg.seed, self.rank, step, "noise:"))
+        if self.world > 1:
+            self.all_reduce_gradients()
+            n_sup = int(self.sum_over_ranks(torch.tensor([n_sup])))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step = step + 1
+        self.positions_seen += n_sup
+        return StepResult(parts=parts, supervised=n_sup, acc=acc, grad_norm=grad_norm)
+
+    def should_stop(self, started: float) -> bool:
+        """--stop-after reached, or --max-seconds spent (any rank over it stops them all, at the same step)."""
+        cfg = self.cfg
+        if cfg.stop_after is not None and self.step >= cfg.stop_after:
+            self.stop_reason = "--stop-after"
+            return True
+        if cfg.max_seconds is not None:
+            over = torch.tensor([float(time.time() - started > cfg.max_seconds)])
+            if float(self.sum_over_ranks(over)) > 0:
+                self.stop_reason = f"--max-seconds {cfg.max_seconds:g}"
+                return True
+        return False
+
+    # ---- collectives (no-ops for one worker) -----------------------------------------------------------------
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of a small tensor over all ranks (NCCL needs it on the device; the result comes back to the CPU)."""
+        if self.world == 1:
+            return t
+        t = t.to(self.device)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    def all_reduce_gradients(self) -> None:
+        """Sum the gradients over all ranks in ONE flat all-reduce (a parameter without a gradient counts as 0)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        off = 0
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            if p.grad is None:
+                p.grad = flat[off:off + n].view_as(p).clone()
+            else:
+                p.grad.copy_(flat[off:off + n].view_as(p))
+            off += n
+
+    # ---- evaluation, logging, checkpoints ----------------------------------------------------------------------
+    def evaluate(self, store) -> dict:
+        """Held-out greedy tau (teacher-forced, and replayed rounds with --eval-walk-tokens) as metrics fields."""
+        if not self.hold_ids:
+            return {}
+        self._hold_samples = self._hold_samples or [store.get(i) for i in self.hold_ids]
+        ev = teacher_forced_tau(self.model, self._hold_samples, self.cfg.eval_blocks)
+        out = dict(heldout_tau=ev["tau"], heldout_blocks=ev["blocks"], heldout_accept_hist=ev["accept_hist"])
+        if self.cfg.eval_walk_tokens:
+            walk = greedy_walk_tau(self.model, self._hold_samples, self.cfg.eval_walk_tokens)
+            out |= dict(heldout_walk_tau=walk["tau"], heldout_walk_rounds=walk["rounds"])
+        return out
+
+    def log(self, row: dict, parts: dict) -> None:
+        """Rank 0: one metrics.jsonl row and one step line."""
+        if self.rank != 0:
+            return
+        append_metrics(self.metrics_path, row)
+        print(f"[train] step {row['step']}/{self.total_steps} loss {parts['loss']:.4f} "
+              + " ".join(f"{k} {v:.4f}" for k, v in parts.items() if k != "loss")
+              + f" | {row['positions_per_s']:.0f} pos/s lr {row['lr']:.2e}"
+              + (f" | held-out tau {row['heldout_tau']:.3f}" if "heldout_tau" in row else "")
+              + (f" (replayed {row['heldout_walk_tau']:.3f})" if "heldout_walk_tau" in row else ""), flush=True)
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[train] {msg}", flush=True)
+
+    def report(self, row: dict, checkpoint: bool) -> None:
+        """Hand the row (and on checkpoint steps rank 0's freshly written checkpoint folder) to the launcher."""
+        if not checkpoint:
+            self.hooks.report(row, None)
+            return
+        with tempfile.TemporaryDirectory() as d:
+            if self.rank == 0:
+                torch.save(self.state_dict(), Path(d) / STATE_FILE)
+            self.hooks.report(row, Path(d) if self.rank == 0 else None)
+
+    def state_dict(self) -> dict:
+        """Everything an exact resume needs (the target's frozen embedding / LM head are left out: the target has
+        them)."""
+        return {"model": {k: v for k, v in self.model.state_dict().items()
+                          if not k.startswith(("embed_tokens", "lm_head"))},
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step,
+                "positions_seen": self.positions_seen, "drafter_config": self.drafter_config.to_dict(),
+                "draft_ids": self.plan["draft_ids"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.positions_seen = state.get("positions_seen", 0)
+
+    def export(self) -> Path:
+        """The trained drafter in the speculators / vLLM `method: dspark` format at <out>/drafter."""
+        path = export_checkpoint(self.model.cpu(), Path(self.cfg.out) / "drafter",
+                                 verifier_name_or_path=str(self.target))
+        print(f"[train] exported drafter checkpoint to {path}", flush=True)
+        return path
+
+
+# ---- the single-process launcher -------------------------------------------------------------------------------
+class LocalCheckpoints(TrainerHooks):
+    """--backend local: resume from a checkpoint folder; each checkpoint copied to <out>/checkpoints/step_<n>
+    (through a .partial folder, so a crash never leaves a half-written one), the newest `keep` kept."""
+
+    def __init__(self, out: Path, resume_from: Path | None = None, keep: int = 2):
+        self.folder, self.resume_from, self.keep = Path(out) / LOCAL_CHECKPOINTS, resume_from, keep
+
+    def load_state(self, map_location) -> dict | None:
+        if self.resume_from is None:
+            return None
+        return torch.load(Path(self.resume_from) / STATE_FILE, map_location=map_location, weights_only=False)
+
+    def report(self, row: dict, checkpoint: Path | None) -> None:
+        if checkpoint is None:
+            return
+        dest = self.folder / f"step_{row['step']:08d}"
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(checkpoint, partial)
+        shutil.rmtree(dest, ignore_errors=True)
+        partial.rename(dest)
+        for old in sorted(p for p in self.folder.glob("step_*") if not p.name.endswith(".partial"))[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def train_local(plan: dict, resume_from: Path | None = None) -> bool:
+    """The whole run in this process (no Ray): rank 0 of 1 on --device.  True when complete."""
+    cfg = TrainConfig.from_plan(plan["train"])
+    device = torch.device(resolve_device(cfg.device))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {cfg.device}: PyTorch sees no CUDA device")
+    print(f"[train] one process on {device}" + (" (bf16 autocast)" if use_bf16_autocast(cfg, device) else ""),
+          flush=True)
+    return Trainer(plan, Placement(0, 1, device), LocalCheckpoints(cfg.out, resume_from)).fit()

@@ -1,0 +1,151 @@
+"""jobs.train --dry-run (the Ray resources, torch back end, dtype and trainer configuration that would be launched,
+printed as JSON without starting Ray) for a CPU layout and a GPU layout, and --backend local (the same Trainer in
+one process, no Ray): it trains, exports a drafter that loads, writes checkpoints in the Ray path's format and
+resumes exactly."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from jobs.train import main
+from pipeline.dspark.checkpoint import load_drafter
+from pipeline.runtime import PROJECT_ROOT
+from pipeline.training import LOCAL_CHECKPOINTS, STATE_FILE, latest_checkpoint, read_learning_curve
+from tiny_training import build_tiny_training_set, losses_by_step, train_args
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    return build_tiny_training_set(tmp_path_factory.mktemp("tiny"))
+
+
+def _dry_args(root, out, *extra):
+    return ["--data", str(root / "hidden"), "--out", str(out), "--target", str(root / "target"),
+            "--seqs-per-step", "2", "--cpus-per-worker", "1", "--dry-run", *extra]
+
+
+def _dry_run_in_fresh_process(argv: list[str]) -> tuple[dict, list[str]]:
+    """jobs.train.main(argv) in a new interpreter -> (the JSON it printed, the heavy modules it imported)."""
+    code = ("import json, sys\nfrom jobs.train import main\nmain(json.loads(sys.argv[1]))\n"
+            "print(json.dumps(sorted(m for m in ('ray', 'vllm', 'mooncake') if m in sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=240, env=os.environ | {"DSPARK_NO_REEXEC": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *spec_lines, imported = proc.stdout.strip().splitlines()
+    return json.loads("\n".join(spec_lines)), json.loads(imported)
+
+
+def test_dry_run_cpu_layout(tiny_setup, tmp_path, capsys):
+    """Two CPU workers: gloo, fp32, 1 CPU each; the training role's resources are the cluster's to decide (auto);
+    the step count comes from the store's manifest."""
+    spec = main(_dry_args(tiny_setup, tmp_path / "run", "--workers", "2", "--bf16", "false", "--max-steps", "6"))
+    assert json.loads(capsys.readouterr().out) == spec  # what it prints is what it returns
+    assert spec["job"] == "train" and spec["backend"] == "ray"
+    ray = spec["ray"]
+    assert ray["scaling_config"] == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1.0}}
+    assert ray["total_resources"] == {"CPU": 2.0}
+    assert ray["placement"]["role"] == "training" and ray["placement"]["worker_resources"] == "auto"
+    assert ray["placement"]["resources_per_worker_on_training_nodes"] == {"CPU": 1.0, "training": 1.0}
+    assert ray["torch_config"]["backend"] == "gloo"
+    assert ray["run_config"]["storage_path"] == str((tmp_path / "run" / "ray").resolve())
+    assert spec["torch"] == {"device": "cpu", "process_group": "gloo", "master_weights": "float32",
+                             "autocast": None, "threads_per_worker": 1}
+    assert spec["trainer"]["workers"] == 2 and spec["trainer"]["seqs_per_step"] == 2
+    data = spec["data"]
+    assert data["samples"] == 12 and data["train_samples"] + data["holdout_samples"] == 12
+    assert data["layer_ids"] == [1, 2, 4] and data["seqs_per_step_all_workers"] == 4 and data["total_steps"] == 6
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_dry_run_gpu_layout_without_ray(tiny_setup, tmp_path):
+    """One training node with 2 GPUs (ray start --num-gpus 2 --resources '{"training": 2}'): 2 GPU workers, one GPU
+    and one training slot each, NCCL, bf16 autocast - printed by a process that never imports Ray."""
+    argv = _dry_args(tiny_setup, tmp_path / "run", "--workers", "2", "--gpus-per-worker", "1",
+                     "--worker-resources", '{"training": 1}', "--epochs", "3")
+    spec, imported = _dry_run_in_fresh_process(argv)
+    assert imported == []
+    ray = spec["ray"]
+    assert ray["scaling_config"] == {"num_workers": 2, "use_gpu": True,
+                                     "resources_per_worker": {"CPU": 1.0, "GPU": 1.0, "training": 1.0}}
+    assert ray["total_resources"] == {"CPU": 2.0, "GPU": 2.0, "training": 2.0}
+    assert ray["placement"]["applied"] == {"training": 1.0} and "rule" not in ray["placement"]
+    assert ray["torch_config"]["backend"] == "nccl"
+    assert spec["torch"]["process_group"] == "nccl" and spec["torch"]["autocast"] == "bfloat16"
+    assert spec["torch"]["device"].startswith("cuda") and spec["torch"]["master_weights"] == "float32"
+    # 3 epochs over the training samples at 2 sequences x 2 workers per step
+    assert spec["data"]["total_steps"] == -(-3 * spec["data"]["train_samples"] // 4)
+    # --bf16 false overrides the CUDA default
+    spec, _ = _dry_run_in_fresh_process(argv + ["--bf16", "false"])
+    assert spec["torch"]["autocast"] is None
+
+
+def test_dry_run_local_backend(tiny_setup, tmp_path, capsys):
+    spec = main(_dry_args(tiny_setup, tmp_path / "run", "--backend", "local", "--device", "cpu", "--max-steps", "6"))
+    assert spec["ray"] is None and spec["backend"] == "local"
+    assert spec["torch"]["device"] == "cpu" and spec["torch"]["process_group"] is None
+    assert spec["torch"]["autocast"] is None and spec["data"]["total_steps"] == 6
+
+
+def test_local_backend_trains_and_resumes_exactly(tiny_setup, tmp_path):
+    """--backend local: the Trainer in this process. A run preempted after step 3 (--stop-after) and resumed ends
+    with exactly the losses and held-out taus of an uninterrupted one; its checkpoints (the newest two, in Ray's
+    train_state.pt format) load, and so does the exported drafter."""
+    opts = ("--backend", "local", "--device", "cpu", "--markov-w1", "embedding", "--feature-noise", "0.1")
+    main(train_args(tiny_setup, tmp_path / "a", *opts))
+    full = losses_by_step(tmp_path / "a")
+    assert sorted(full) == [1, 2, 3, 4, 5, 6] and full[6] < full[1]
+    assert not (tmp_path / "a" / "ray").exists() and (tmp_path / "a" / "loss_curve.png").is_file()
+    ckpts = sorted(p.name for p in (tmp_path / "a" / LOCAL_CHECKPOINTS).iterdir())
+    assert ckpts == ["step_00000003", "step_00000006"]
+    state = torch.load(latest_checkpoint(tmp_path / "a") / STATE_FILE, weights_only=False)
+    assert state["step"] == 6 and state["positions_seen"] > 0
+    assert {"model", "optimizer", "scheduler", "drafter_config", "draft_ids"} <= set(state)
+
+    main(train_args(tiny_setup, tmp_path / "b", "--stop-after", "3", *opts))
+    assert sorted(losses_by_step(tmp_path / "b")) == [1, 2, 3] and not (tmp_path / "b" / "drafter").exists()
+    assert latest_checkpoint(tmp_path / "b").name == "step_00000003"
+    main(train_args(tiny_setup, tmp_path / "b", "--resume", *opts))
+    resumed = losses_by_step(tmp_path / "b")
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    curve_a = read_learning_curve(tmp_path / "a" / "metrics.jsonl")
+    curve_b = read_learning_curve(tmp_path / "b" / "metrics.jsonl")
+    assert len(curve_a) == 3 and [x for x, _ in curve_b] == [x for x, _ in curve_a]
+    assert [t for _, t in curve_b] == pytest.approx([t for _, t in curve_a])
+
+    d = load_drafter(tmp_path / "b" / "drafter", tiny_setup / "target")
+    assert d.cfg.aux_layer_ids == [1, 2, 4] and d.cfg.kind == "dspark"
+    # the resumed run's export equals the uninterrupted run's
+    a = load_drafter(tmp_path / "a" / "drafter", tiny_setup / "target").state_dict()
+    for k, v in d.state_dict().items():
+        torch.testing.assert_close(v, a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_local_backend_time_budget_checkpoints_and_resumes(tiny_setup, tmp_path):
+    """--max-seconds ends a run after the first step past the budget, checkpointed; --resume finishes it."""
+    main(train_args(tiny_setup, tmp_path / "c", "--backend", "local", "--drafter", "dflash", "--max-seconds", "1e-6",
+                    "--eval-every", "0"))
+    assert sorted(losses_by_step(tmp_path / "c")) == [1] and not (tmp_path / "c" / "drafter").exists()
+    assert latest_checkpoint(tmp_path / "c").name == "step_00000001"
+    main(train_args(tiny_setup, tmp_path / "c", "--backend", "local", "--drafter", "dflash", "--resume",
+                    "--eval-every", "0"))
+    assert sorted(losses_by_step(tmp_path / "c")) == [1, 2, 3, 4, 5, 6]
+    assert json.loads((tmp_path / "c" / "drafter" / "config.json").read_text())["markov_rank"] == 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--backend", "local", "--workers", "2"), "--backend local trains in one process: --workers must be 1"),
+    (("--gpus-per-worker", "-1"), "--gpus-per-worker must be >= 0"),
+    (("--backend", "local", "--gpus-per-worker", "1"), "--backend local takes --device instead"),
+    (("--device", "cuda"), "--device is for --backend local"),
+    (("--max-seconds", "0"), "--max-seconds must be > 0"),
+    (("--max-steps", "0"), "--max-steps must be > 0")])
+def test_train_rejects_bad_layouts(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        main(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "run"), *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
