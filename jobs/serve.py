@@ -5,7 +5,11 @@ Locally (starts Ray on loopback, deploys, blocks until Ctrl-C, then shuts Serve 
 On a cluster (deploys and returns; the Serve application keeps running):
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python -m jobs.serve --drafter /path/to/drafter --replicas 2
-Without --drafter (or with --scheduler none) the replicas decode without speculation.
+On GPUs with vLLM (speculative_config method=dspark; --tensor-parallel-size GPUs per replica; the same load-aware
+router places requests; docs/serving_on_gpu.md):
+    python -m jobs.serve --engine vllm --drafter /path/to/drafter --replicas 2 --gpu-memory-utilization 0.9
+Without --drafter (or with --scheduler none) the replicas decode without speculation.  --dry-run prints the Serve
+deployments, their Ray resources and the engine configuration as JSON and starts nothing.
 
 Then:  curl http://127.0.0.1:8000/v1/models
        curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -19,22 +23,21 @@ import os
 import signal
 import time
 
-from pipeline.runtime import apply_env, reexec_for_process_env
+from pipeline.config_cli import parse_config
+from pipeline.launch_plan import print_plan
+from pipeline.runtime import apply_env, init_ray, reexec_for_process_env
+from serve_app.app import ServeConfig, build_app, serve_plan
 
 
 def main(argv=None):
     apply_env()
-    from pipeline.config_cli import parse_config
-    from serve_app.app import ServeConfig
-
     cfg = parse_config(ServeConfig, argv, description=__doc__)
+    if cfg.dry_run:
+        return print_plan(serve_plan(cfg))
     return run(cfg)
 
 
 def run(cfg, block: bool | None = None):
-    from pipeline.runtime import init_ray
-    from serve_app.app import build_app
-
     init_ray(cfg.address)
     from ray import serve
 
@@ -42,8 +45,8 @@ def run(cfg, block: bool | None = None):
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
     url = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
-    print(f"serving {cfg.served_model_name()} at {url}  (replicas={cfg.replicas}, scheduler={cfg.scheduler}, "
-          f"drafter={cfg.drafter})", flush=True)
+    print(f"serving {cfg.served_model_name()} at {url}  (engine={cfg.engine}, replicas={cfg.replicas}, "
+          f"scheduler={cfg.scheduler}, drafter={cfg.drafter})", flush=True)
     in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
     block = cfg.block if block is None else block
     if block is None:

