@@ -120,26 +120,30 @@ class _Base(nn.Module):
 
 
 class RandomLlama(nn.Module):
-    """A Llama with tied embeddings and random weights (normal, std 0.02), laid out as transformers' LlamaForCausalLM
-    so TargetRunner and load_target_weights read it; it has no forward of its own (TargetRunner computes)."""
+    """A Llama with random weights (normal, std 0.02), laid out as transformers' LlamaForCausalLM so TargetRunner and
+    load_target_weights read it; it has no forward of its own (TargetRunner computes).  Its LM head is untied and
+    ``head_scale`` times sharper than the embedding, so greedy decoding is not a coin flip between near-tied
+    logits (random weights make them near-flat)."""
 
-    def __init__(self, shape: dict, seed: int = 0):
+    def __init__(self, shape: dict, seed: int = 0, head_scale: float = 8.0):
         super().__init__()
         self.config = SimpleNamespace(model_type="llama", hidden_act="silu", eos_token_id=2, pad_token_id=2,
                                       architectures=["LlamaForCausalLM"], _name_or_path="random", **shape)
         torch.manual_seed(seed)
         self.model = _Base(self.config)
+        self.lm_head = nn.Linear(shape["hidden_size"], shape["vocab_size"], bias=False)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "norm" not in name:
                     p.normal_(0.0, 0.02)
+            self.lm_head.weight.mul_(head_scale)
         self.eval()
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
     def get_output_embeddings(self):
-        return None  # tied
+        return self.lm_head
 
 
 def build_target(cfg: CheckConfig):
@@ -192,7 +196,8 @@ def check_training(cfg: CheckConfig, model) -> dict:
     blocks = [make_blocks(s["input_ids"].long(), s["loss_mask"], 6, cfg.block_size,
                           torch.Generator().manual_seed(i)) for i, s in enumerate(samples)]
     denom = sum(float(weight_sum(b.label_mask)) for b in blocks)
-    head_w = runner.lm_head.weight if runner.lm_head.weight is not None else model.get_input_embeddings().weight
+    out_emb = model.get_output_embeddings()
+    head_w = (out_emb if out_emb is not None else model.get_input_embeddings()).weight
     runs = {}
     for name, dev, bf16 in (("cpu_fp32", "cpu", False), ("device_fp32", cfg.device, False),
                             ("device_bf16", cfg.device, True)):

@@ -1,12 +1,14 @@
 """The CUDA path (skipped without a GPU; run on a GPU machine): the engine with the real DSparkDrafter on cuda is
 lossless - greedy output equals the target's own greedy output in the same precision, batched and single, under
-each scheduler - at T > 0 the emitted distribution equals the target's (chi-square), and one micro-batched training
-step on cuda gives the CPU step's loss and gradients."""
+each scheduler, eager and with CUDA graphs (pipeline/cuda_graphs.py) - at T > 0 the emitted distribution equals the
+target's (chi-square), with and without graphs, and one micro-batched training step on cuda gives the CPU step's
+loss and gradients."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pipeline.cuda_graphs import StaticShapes
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.config import DrafterConfig
 from pipeline.engine import SpecConfig, SpeculativeEngine
@@ -43,7 +45,32 @@ def test_greedy_on_cuda_equals_target_greedy(dtype, scheduler, method):
     assert sum(o.stats.rounds for o in outs) > 0
 
 
-def test_sampling_on_cuda_matches_target_distribution():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_cuda_graphs_greedy_equals_eager(dtype, speculative):
+    """SpecConfig(cuda_graphs=True): every decode round's target forward (and drafting round) is a replayed graph;
+    the greedy output is the eager plain decoding's, batched and single, and stays so when the graphs are replayed
+    for a second batch."""
+    target = tiny_llama(vocab=64, seed=0)
+    base = SpeculativeEngine(TargetRunner(target, dtype, device="cuda", max_seq_len=128), None, SpecConfig())
+    refs = [o.output_ids for o in base.generate(PROMPTS, SamplingParams(), max_tokens=24)]
+    eng = SpeculativeEngine(TargetRunner(target, dtype, device="cuda", max_seq_len=128),
+                            _drafter(target) if speculative else None,
+                            SpecConfig(method="dspark" if speculative else None, scheduler="hardware",
+                                       cost_table=COST, cuda_graphs=True))
+    assert [o.output_ids for o in eng.generate(PROMPTS, SamplingParams(), max_tokens=24)] == refs
+    static = eng.target.static_forward
+    recorded = static.recorded
+    assert recorded > 0 and static.replays > recorded
+    assert [o.output_ids for o in eng.generate(PROMPTS, SamplingParams(), max_tokens=24)] == refs
+    assert [eng.generate([p], SamplingParams(), max_tokens=24)[0].output_ids for p in PROMPTS] == refs
+    assert static.replays > 2 * recorded
+    if speculative:
+        assert eng._static_draft.recorded > 0 and eng._static_draft.replays > eng._static_draft.recorded
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampling_on_cuda_matches_target_distribution(graphs):
     from test_engine import _exact_joint
 
     V, n, N = 4, 4, 3000
@@ -52,7 +79,11 @@ def test_sampling_on_cuda_matches_target_distribution():
     params = SamplingParams(temperature=1.0)
     eng = SpeculativeEngine(TargetRunner(model, "float32", device="cuda", max_seq_len=16, init_len=8),
                             _drafter(model, gamma=3, rank=4), SpecConfig(method="dspark", seed=1))
+    if graphs:  # one bucket holds the whole batch
+        eng.use_static_shapes(capture=True, shapes=StaticShapes(row_buckets=(N,), max_tokens=4, min_keys=16))
     outs = eng.generate([prompt] * N, params, max_tokens=n)
+    if graphs:
+        assert eng.target.static_forward.replays > 0 and eng._static_draft.replays > 0
     counts = joint_counts(outs, V, n)
     assert chi2_pvalue(counts, _exact_joint(model, prompt, n, params, V)) > 1e-3
 
