@@ -5,9 +5,10 @@
 pipeline never imports actors / serve_app / jobs; actors and serve_app never import jobs; serve_app and actors do
 not import each other.  Project modules import each other at module level only (an in-function import of a project
 module hides a cycle or an upward import); in-function imports are for heavy optional dependencies (ray, vllm,
-mooncake, matplotlib, transformers, ...), which this test does not restrict.  One exception: a job's ``main()``
-imports the pipeline after ``apply_env()``, so that ``python -m jobs.X`` can re-exec itself with its start-only
-settings before torch is loaded (pipeline.runtime.reexec_for_process_env).
+mooncake, matplotlib, transformers, ...), which this test does not restrict.  One exception: the entry points in
+``jobs`` import the project where they run, so that their start stays light: ``python -m jobs.X`` re-execs itself
+with its start-only settings before torch is loaded (pipeline.runtime.reexec_for_process_env), and
+``python -m jobs.bench --help`` lists every benchmark without importing what they measure.
 """
 from __future__ import annotations
 
@@ -137,6 +138,6 @@ def test_imports_flow_one_way():
 
 def test_project_imports_are_at_module_level():
     _, nested = import_edges()
-    nested = [n for n in nested if not (n[0].startswith("jobs.") and n[3] == "main")]
+    nested = [n for n in nested if not n[0].startswith("jobs.")]
     listing = "\n".join(f"{mod}:{line} imports {dep} (in {fn})" for mod, line, dep, fn in sorted(set(nested)))
     assert not nested, "in-function imports of project modules (move them to the top of the module):\n" + listing
