@@ -28,6 +28,7 @@ get >= 0.5x for the `local` path.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -77,6 +78,7 @@ def run(args, harness) -> dict:
     from pipeline.stores.mooncake import MooncakeHiddenStore, tensor_bytes_view
 
     torch.set_num_threads(args.threads)
+    os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's per-call INFO lines would drown the tables
     cases = [c for c in args.cases.split(",") if c]
     unknown = set(cases) - set(CASES)
     if unknown or not cases:
