@@ -134,7 +134,7 @@ class VLLMExtractor:
                  dtype: str = "auto", target_lse: bool = True, layout: dict | None = None):
         self.layer_ids = list(layer_ids)
         self.kind = kind
-        # cumulative seconds per part of __call__ (scripts/bench_extract.py prints them)
+        # cumulative seconds per part of __call__ (`python -m jobs.bench extract` prints them)
         self.timers = {"engine": 0.0, "collect": 0.0, "norm": 0.0, "lse": 0.0, "serialize": 0.0}
         self.want = sorted(set(self.layer_ids) | {n_layers})  # layer L always, for the final hidden state
         self.norm_w, self.eps = _final_norm(target)

@@ -16,7 +16,7 @@ with F.linear to fp32 rounding (tests compare both back ends with transformers).
 * :class:`PackedWeight` -- a frozen weight (+ bias) packed once (the target runner).
 * :func:`tune_flinear_rows` -- per weight shape, the row count up to which F.linear is faster, timed on this machine
   (the crossover differs by shape: measured packed faster from 4 rows for the fused gate/up and the 49152x576 LM
-  head (2x there), from 8 for down, about even for q/k/v and o; ``scripts/bench_linear.py``).
+  head (2x there), from 8 for down, about even for q/k/v and o; ``python -m jobs.bench linear``).
 * :class:`Linear` -- a drop-in ``nn.Linear`` for modules that are also trained (the drafter): with autograd on it is
   ``nn.Linear``; under ``no_grad`` / ``inference_mode`` on CPU in fp32 it uses a packed copy, re-packed whenever the
   weight changes (its version counter moves on every optimizer step).

@@ -173,7 +173,7 @@ def cpu_has_native_bf16() -> bool:
 def default_compute_dtype() -> str:
     """Compute precision for target engines when the user says ``auto``: bf16 on a GPU or a CPU with native bf16,
     else fp32 (measured on this 2-core AVX2 machine, 32 requests x 64 tokens: vLLM generation 90 tok/s in fp32 vs
-    22 tok/s in bf16; scripts/bench_vllm_dtype.py).  Stored hidden states are bf16 either way."""
+    22 tok/s in bf16; python -m jobs.bench vllm_dtype).  Stored hidden states are bf16 either way."""
     try:
         import torch
 

@@ -212,9 +212,9 @@ def test_teacher_forced_tau_equals_greedy_drafting(head):
 
 
 def test_greedy_walk_tau_replays_greedy_rounds():
-    """scripts/heldout_tau.py --walk-tokens: rounds replayed along a sequence through the training path equal greedy
-    drafting through the inference path round by round (draft from the last emitted token, keep the matching
-    prefix + the bonus token), cut at max_tokens."""
+    """`python -m jobs.bench heldout_tau --walk-tokens`: rounds replayed along a sequence through the training path
+    equal greedy drafting through the inference path round by round (draft from the last emitted token, keep the
+    matching prefix + the bonus token), cut at max_tokens."""
     from pipeline.training import greedy_walk_tau
 
     T, start = 70, 5  # blocks planted where each greedy round starts, so rounds accept 0..γ

@@ -434,7 +434,7 @@ class DSparkDrafter(nn.Module):
         B = len(states)
         anchors = torch.as_tensor(anchors, dtype=torch.long, device=dev).view(B)
         plen = torch.tensor([st.length for st in states], device=dev)
-        # record_function labels: the parts of a drafting round in a profile (scripts/bench_draft_budget.py)
+        # record_function labels: the parts of a drafting round in a profile (jobs.bench draft_budget)
         with record_function("draft.block_forward"):
             kv, ctx_mask = self._gather_context(states)
             L = ctx_mask.shape[1]
