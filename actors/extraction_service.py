@@ -7,6 +7,8 @@ the sample's key.  Consumers (training workers) fetch by key from any process th
 exist whole on disk.
 
     service = ExtractionService(target, layer_ids, endpoint, prefix="online/run1", num_workers=2)
+    # one segment server per node: each worker puts through its own node's server (its samples stay there)
+    service = ExtractionService(target, layer_ids, endpoint, "online/run1", 2, node_endpoints={node_id: ep, ...})
     keys = service.extract([{"request_id": "a", "input_ids": [...], "loss_mask": [...]}, ...])   # blocking
     refs = service.submit(batch)                                                                    # async
 """
@@ -22,11 +24,15 @@ from pipeline.placement import INFERENCE, role_resources
 
 class _ExtractionWorker:
     def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, endpoint: dict,
-                 prefix: str, kind: str):
+                 prefix: str, kind: str, node_endpoints: dict | None = None):
         from pipeline.stores.mooncake import MooncakeHiddenStore
 
+        self.node_id = ray.get_runtime_context().get_node_id()
+        # this node's segment server when there is one per node: its puts stay on this node
+        endpoint = (node_endpoints or {}).get(self.node_id, endpoint)
         self.extractor = VLLMExtractor(target, layer_ids, n_layers, max_model_len, kind=kind)
         self.store = MooncakeHiddenStore(prefix, endpoint)
+        self.segment_server = self.store.segment_server
 
     def _sample_in_store(self, row: dict, aux_dim: int, hidden: int) -> dict:
         """The row's tensors decoded straight into the store's registered memory (no other copy on this side)."""
@@ -58,15 +64,16 @@ class _ExtractionWorker:
         self.store.flush()
         return [sid for sid, _ in samples]
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> dict:
+        return {"node_id": self.node_id, "segment_server": self.segment_server}
 
 
 class ExtractionService:
     """Driver-side handle of the extraction actor pool (round-robin over workers)."""
 
     def __init__(self, target: str, layer_ids: list[int], endpoint, prefix: str, num_workers: int = 1,
-                 max_model_len: int = 2048, kind: str = "vllm", num_cpus: float = 1.0, resources: dict | None = None):
+                 max_model_len: int = 2048, kind: str = "vllm", num_cpus: float = 1.0, resources: dict | None = None,
+                 node_endpoints: dict | None = None):
         from pipeline.target_model import num_layers
 
         from actors.mooncake_master import loopback_preload_env
@@ -78,9 +85,10 @@ class ExtractionService:
             resources = role_resources(INFERENCE)
         cls = ray.remote(num_cpus=num_cpus, resources=resources,
                          runtime_env=actor_runtime_env(None, loopback_preload_env({})))(_ExtractionWorker)
-        self.workers = [cls.remote(str(target), list(layer_ids), num_layers(target), max_model_len, ep, prefix, kind)
-                        for _ in range(num_workers)]
-        ray.get([w.ready.remote() for w in self.workers])
+        per_node = {k: (v.to_dict() if hasattr(v, "to_dict") else dict(v)) for k, v in (node_endpoints or {}).items()}
+        self.workers = [cls.remote(str(target), list(layer_ids), num_layers(target), max_model_len, ep, prefix, kind,
+                                   per_node) for _ in range(num_workers)]
+        self.placement = ray.get([w.ready.remote() for w in self.workers])  # [{node_id, segment_server}] per worker
         self._next = itertools.cycle(self.workers)
         self.prefix = prefix
 

@@ -12,6 +12,9 @@ machine load hits all alike; medians.  A master and segment servers run on 127.0
                     (registered memory laid out as the object; the extraction worker decodes its rows this way),
                     so the put copies nothing in the writer.  That fill is timed apart ("fill"), not in put
   local.batch       put_many / get_many of --batch samples per call (per-sample time reported)
+  local.inplace.batch  both: --batch samples written into alloc_sample tensors, put_many, get_many - the path of
+                    the extraction worker (decodes rows into alloc_sample, puts each batch) and a training worker
+                    (get_many of a step's samples)
   remote            written through one segment server, read through ANOTHER (two simulated nodes): the get is
                     pulled between the servers by the transfer engine over loopback TCP
   cold              as local, but into a segment that was never pre-faulted (every put lands on fresh pages)
@@ -35,7 +38,8 @@ import time
 NAME = "mooncake"
 HELP = "Mooncake hidden-state put/get (same node, across nodes, TCP, raw binding) vs memcpy of the same sample"
 
-CASES = ("memcpy", "memcpy.warm", "local", "local.inplace", "local.batch", "remote", "cold", "tcp", "raw")
+CASES = ("memcpy", "memcpy.warm", "local", "local.inplace", "local.batch", "local.inplace.batch", "remote", "cold",
+         "tcp", "raw")
 GOAL_PUT_GET, GOAL_GET = 0.3, 0.5
 
 
@@ -88,7 +92,7 @@ def run(args, harness) -> dict:
     sample = make_sample(args.tokens, args.hidden, args.aux_layers)
     nbytes = sum(t.numel() * t.element_size() for t in sample.values())
     batch = [(f"b{i}", make_sample(args.tokens, args.hidden, args.aux_layers, seed=1 + i)) for i in range(args.batch)]
-    per_rep = nbytes * (args.batch if "local.batch" in cases else 1)
+    per_rep = nbytes * (2 * args.batch if {"local.batch", "local.inplace.batch"} & set(cases) else 1)
     local_bytes = max(256 << 20, 4 * per_rep + (64 << 20))
 
     master = MooncakeMaster(segment_bytes=local_bytes)
@@ -108,7 +112,7 @@ def run(args, harness) -> dict:
             cold = master.add_segment_server((args.reps + 2) * nbytes + (32 << 20), prefault=False)
             started["cold segment server (not pre-faulted)"] = time.monotonic() - t0
             stores["cold"] = MooncakeHiddenStore("bench/cold", ep.on_server(cold))
-        if {"local", "local.inplace", "local.batch"} & set(cases):
+        if {"local", "local.inplace", "local.batch", "local.inplace.batch"} & set(cases):
             stores["local"] = MooncakeHiddenStore("bench/local", ep)
         if "tcp" in cases:
             stores["tcp"] = MooncakeHiddenStore("bench/tcp", ep, segment_server="")
@@ -138,11 +142,23 @@ def run(args, harness) -> dict:
                 return {"put_s": t1 - t0, "get_s": t2 - t1, "s": t2 - t0}
             return case
 
-        def batch_case(rep):
+        def batch_case(rep, in_place=False):
             s = stores["local"]
+            t_start = time.perf_counter()
             items = [(f"r{rep}/{sid}", t) for sid, t in batch]
-            t0 = time.perf_counter()
-            s.put_many(items)
+            if in_place:
+                filled = []
+                for k, t in items:
+                    buf = s.alloc_sample(args.tokens, args.aux_layers * args.hidden, args.hidden)
+                    for name, v in t.items():
+                        tensor_bytes_view(buf[name])[:] = tensor_bytes_view(v)
+                    filled.append((k, buf))
+                items_put = filled
+            else:
+                items_put = items
+            t_fill = time.perf_counter()
+            t0 = t_fill
+            s.put_many(items_put)
             t1 = time.perf_counter()
             got = s.get_many([k for k, _ in items])
             t2 = time.perf_counter()
@@ -153,7 +169,11 @@ def run(args, harness) -> dict:
                 s._store.remove(s._key(k), True)
                 s._mine.pop(k, None)
             n = len(items)
-            return {"put_s": (t1 - t0) / n, "get_s": (t2 - t1) / n, "s": (t2 - t0) / n}
+            del items_put
+            out = {"put_s": (t1 - t0) / n, "get_s": (t2 - t1) / n, "s": (t2 - t0) / n}
+            if in_place:
+                out["fill_s"] = (t_fill - t_start) / n
+            return out
 
         def inplace_case(rep):
             s, key = stores["local"], f"i{rep}"
@@ -201,6 +221,7 @@ def run(args, harness) -> dict:
         fns = {"memcpy": memcpy, "memcpy.warm": memcpy_warm,
                "local": put_get(stores.get("local"), stores.get("local"), lambda r: f"r{r}"),
                "local.inplace": inplace_case, "local.batch": batch_case,
+               "local.inplace.batch": lambda rep: batch_case(rep, in_place=True),
                "remote": put_get(stores.get("remote.w"), stores.get("remote.r"), lambda r: f"r{r}"),
                "cold": put_get(stores.get("cold"), stores.get("cold"), lambda r: f"r{r}", remove=False),
                "tcp": put_get(stores.get("tcp"), stores.get("tcp"), lambda r: f"r{r}"),
@@ -234,7 +255,7 @@ def run(args, harness) -> dict:
                       ["path", "median ms", "GB/s", f"/ {base_name}"], rows)
         harness.table("start-up", ["step", "s"], [[k, f"{v:.2f}"] for k, v in started.items()])
         goal = {}
-        for c in ("local", "local.inplace", "local.batch"):
+        for c in ("local", "local.inplace", "local.batch", "local.inplace.batch"):
             if c not in gbps or not base_name:
                 continue
             g = {"put_get_ratio": gbps[c] / base, "get_ratio": gbps[f"{c}.get"] / base}
