@@ -5,7 +5,8 @@ One training loop (pipeline.trainer.Trainer), two back ends:
 * --backend ray (default): Ray Train's TorchTrainer runs it on --workers workers - CPU workers with a gloo
   all-reduce of the gradients, or with --gpus-per-worker G GPU workers (NCCL, bf16 autocast, each on its own
   device); the workers' extra resources follow the node roles of pipeline/placement.py (--worker-resources);
-* --backend local: the same loop in this process, without Ray (one GPU or a laptop; --device).
+* --backend local: the same loop in this process, without Ray (one GPU or a laptop; --device); with --prompts it
+  first generates the responses and extracts their hidden states in this process too (transformers).
 
 Samples come from the disk store or Mooncake through the same interface.  Writes to --out: metrics.jsonl,
 loss_curve.png, learning_curve.png (held-out tau vs supervised positions seen, every --eval-every steps),
@@ -14,15 +15,18 @@ checkpoints/, the same train_state.pt; --resume continues from the latest with i
 plan.json (draft vocabulary, split) and the exported drafter checkpoint `drafter/` (speculators / vLLM
 `method: dspark` format).  --dry-run prints, as JSON, what would be launched and exits.
 
-The other stages of a one-machine life cycle are their own jobs: jobs.generate, jobs.extract (--extractor hf:
-transformers), jobs.calibrate and jobs.evaluate (both in one process, --device)."""
+After training: jobs.calibrate and jobs.evaluate (both run in one process, --device)."""
 from __future__ import annotations
 
-import json
+import os
 import shutil
 
+import torch
+
 from pipeline.config_cli import parse_config
-from pipeline.placement import TRAINING, parse_resources, role_resources
+from pipeline.launch_plan import print_plan
+from pipeline.local_stages import run_local_stages
+from pipeline.placement import TRAINING, parse_resources, planned_role_resources, role_resources
 from pipeline.runtime import apply_env, init_ray, reexec_for_process_env, resolve_device
 from pipeline.shards import atomic_write_json
 from pipeline.stores import open_hidden_store
@@ -39,12 +43,12 @@ def main(argv=None):
     cfg = parse_config(TrainConfig, argv, description=__doc__)
     cfg.out, cfg.data = cfg.out.resolve(), cfg.data.resolve()
     if cfg.dry_run:
-        spec = dry_run(cfg)
-        print(json.dumps(spec, indent=1))
-        return spec
+        return print_plan(dry_run(cfg))
     cfg.out.mkdir(parents=True, exist_ok=True)
     resume_from = resume_point(cfg)
     if cfg.backend == "local":
+        if cfg.prompts:  # stages 1-2 first, in this process
+            run_local_stages(cfg, torch.device(resolve_device(cfg.device)))
         result = train_local(write_plan(cfg), resume_from)
     else:
         result = fit_on_ray(cfg, resume_from)
@@ -130,29 +134,28 @@ def fit_on_ray(cfg: TrainConfig, resume_from):
 def dry_run(cfg: TrainConfig) -> dict:
     """What `main` would launch, without starting Ray or training: the Ray resources (ScalingConfig fields, the
     placement rule of the training role, the cluster total), the torch back end and dtype, the trainer
-    configuration, and the data it would read (the store's manifest only: sample counts and the step count)."""
+    configuration, and the data it would read (the store's manifest only: sample counts and the step count).
+    With the auto placement rule, resources_per_worker is what a cluster that declares training nodes is asked
+    for; on one that does not, the training role's part is dropped (placement.otherwise)."""
     out = dict(job="train", backend=cfg.backend)
     if cfg.backend == "ray":
-        explicit = parse_resources(cfg.worker_resources, "worker-resources")
-        role = explicit if explicit is not None else {}
-        scaling = scaling_fields(cfg, role)
-        placement = dict(role=TRAINING, worker_resources=cfg.worker_resources or "auto", applied=role)
-        if explicit is None:  # pipeline/placement.py's rule, decided by the cluster at launch
-            placement["rule"] = (f"auto: each worker also asks for {{'{TRAINING}': 1}} when the cluster declares "
-                                 f"'{TRAINING}' nodes (ray start --resources '{{\"{TRAINING}\": M}}'), else nothing")
-            placement["resources_per_worker_on_training_nodes"] = scaling_fields(
-                cfg, {TRAINING: 1.0})["resources_per_worker"]
-        total = {k: v * cfg.workers for k, v in scaling["resources_per_worker"].items()}
-        out["ray"] = dict(address=cfg.address or "local ray.init() (or RAY_ADDRESS)", scaling_config=scaling,
-                          placement=placement, total_resources=total,
+        # pipeline/placement.py's rule; "auto" is decided by the cluster at launch
+        placement = dict(role=TRAINING) | planned_role_resources(
+            TRAINING, parse_resources(cfg.worker_resources, "worker-resources"))
+        scaling = scaling_fields(cfg, placement["resources"])
+        per_worker = scaling["resources_per_worker"]
+        total = dict(num_cpus=per_worker["CPU"] * cfg.workers, num_gpus=per_worker.get("GPU", 0.0) * cfg.workers,
+                     resources={k: v * cfg.workers for k, v in per_worker.items() if k not in ("CPU", "GPU")})
+        out["ray"] = dict(address=cfg.address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
+                          scaling_config=scaling, placement=placement, total=total,
                           torch_config=dict(cls="pipeline.train_backend.LoopbackTorchConfig",
                                             backend=cfg.process_group_backend,
-                                            rendezvous="TCPStore + sockets on 127.0.0.1 when the node address is "
-                                                       "127.0.0.1, else Ray's default"),
+                                            rendezvous="TCPStore + gloo/NCCL sockets on 127.0.0.1 when the node "
+                                                       "address is 127.0.0.1, else Ray Train's default"),
                           run_config=run_fields(cfg))
         device = "cuda (ray.train.torch.get_device(), one per worker)" if cfg.gpus_per_worker > 0 else "cpu"
         device_type = "cuda" if cfg.gpus_per_worker > 0 else "cpu"
-        process_group = cfg.process_group_backend if cfg.workers > 1 else f"{cfg.process_group_backend} (1 rank)"
+        process_group = cfg.process_group_backend
     else:
         out["ray"] = None
         device = resolve_device(cfg.device)  # auto: what PyTorch sees here
@@ -163,6 +166,9 @@ def dry_run(cfg: TrainConfig) -> dict:
                         autocast="bfloat16" if bf16 else None, threads_per_worker=cfg.cpus_per_worker)
     out["trainer"] = cfg.to_plan()
     out["data"] = data_summary(cfg)
+    out["stages"] = None if not cfg.prompts or out["data"]["manifest"] != "absent" else dict(
+        prompts=[str(p) for p in cfg.prompts], responses=str(cfg.out / "responses"), hidden_states=str(cfg.data),
+        generator="transformers generate, greedy", extractor="hf", target_dtype=cfg.target_dtype)
     return out
 
 
@@ -171,7 +177,7 @@ def data_summary(cfg: TrainConfig) -> dict:
     fatal (a dry run may precede extraction)."""
     where = str(cfg.data) if cfg.store == "disk" else f"mooncake:{cfg.mooncake_prefix}"
     if cfg.store == "disk" and not (cfg.data / "manifest.json").is_file():
-        return dict(store=cfg.store, location=where, manifest=None, total_steps=cfg.max_steps)
+        return dict(store=cfg.store, location=where, manifest="absent", total_steps=cfg.max_steps)
     store = open_hidden_store(cfg.store, cfg.data, cfg.mooncake_prefix, master_addr=cfg.mooncake_master,
                               metadata_url=cfg.mooncake_metadata)
     try:
@@ -180,7 +186,7 @@ def data_summary(cfg: TrainConfig) -> dict:
         store.close()
     ids = list(manifest["sample_ids"])
     train_ids, hold_ids = split_ids(ids, cfg.holdout_frac)
-    return dict(store=cfg.store, location=where, samples=len(ids), train_samples=len(train_ids),
+    return dict(store=cfg.store, location=where, manifest="found", samples=len(ids), train_samples=len(train_ids),
                 holdout_samples=len(hold_ids), layer_ids=manifest.get("layer_ids"),
                 num_tokens=manifest.get("num_tokens"), seqs_per_step_all_workers=cfg.seqs_per_step * cfg.workers,
                 total_steps=planned_steps(cfg, len(train_ids)),

@@ -113,6 +113,16 @@ class TrainConfig:
     max_seconds: float | None = field(default=None, metadata={
         "help": "wall-clock budget of this run's training: end it after the first step past it (checkpointed, as "
                 "--stop-after; --resume finishes it)"})
+    prompts: list[Path] = field(default_factory=list, metadata={
+        "help": "(--backend local) prompt JSONL files: while --data holds no finished store, first run stages 1-2 "
+                "in this process with transformers - greedy responses into <out>/responses, their hidden states "
+                "into the disk store --data (pipeline/local_stages.py); with Ray: jobs.generate + jobs.extract"})
+    limit_per_file: int | None = field(default=None, metadata={"help": "(--prompts) prompts per file (default: all)"})
+    max_new_tokens: int = field(default=256, metadata={"help": "(--prompts) response length cap"})
+    max_prompt_tokens: int = field(default=1536, metadata={"help": "(--prompts) longer prompts are skipped"})
+    gen_batch: int = field(default=64, metadata={"help": "(--prompts) prompts per generate call"})
+    target_dtype: str = field(default="float32", metadata={
+        "help": "(--prompts) target precision for generation and hidden states", "choices": ["float32", "bfloat16"]})
     dry_run: bool = field(default=False, metadata={
         "help": "print what would be launched as JSON (Ray ScalingConfig and resources, placement, torch back end, "
                 "dtype, trainer configuration, step count from the store's manifest) and exit: no Ray, no training"})
@@ -120,7 +130,7 @@ class TrainConfig:
 
     def __post_init__(self):  # a clear error naming the flag (parse_config turns it into a usage error)
         positive = ("lr", "epochs", "seqs_per_step", "micro_batch", "num_anchors", "workers", "cpus_per_worker",
-                    "block_size", "num_layers")
+                    "block_size", "num_layers", "max_new_tokens", "max_prompt_tokens", "gen_batch")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
@@ -138,6 +148,9 @@ class TrainConfig:
             raise ValueError(f"--backend local trains in one process: --workers must be 1, got {self.workers}")
         if self.backend == "local" and self.gpus_per_worker:
             raise ValueError("--gpus-per-worker places Ray Train workers; --backend local takes --device instead")
+        if self.prompts and (self.backend != "local" or self.store != "disk"):
+            raise ValueError("--prompts runs stages 1-2 in this process into a disk store: it needs --backend local "
+                             "and --store disk (with Ray: jobs.generate, then jobs.extract)")
         if self.backend == "ray" and self.device != "auto":
             raise ValueError("--device is for --backend local; Ray Train workers get their device from "
                              "--gpus-per-worker")
@@ -147,11 +160,13 @@ class TrainConfig:
 
     def to_plan(self) -> dict:
         """The config as plain JSON values (what plan() hands the workers; `from_plan` reverses it)."""
-        return asdict(self) | {"data": str(self.data), "out": str(self.out)}
+        paths = {"data": str(self.data), "out": str(self.out), "prompts": [str(p) for p in self.prompts]}
+        return asdict(self) | paths
 
     @classmethod
     def from_plan(cls, values: dict) -> "TrainConfig":
-        return cls(**{k: (Path(v) if k in ("data", "out") else v) for k, v in values.items()})
+        paths = {"data": Path, "out": Path, "prompts": lambda v: [Path(p) for p in v]}
+        return cls(**{k: paths.get(k, lambda x: x)(v) for k, v in values.items()})
 
     @property
     def process_group_backend(self) -> str:
@@ -559,7 +574,7 @@ def plan(cfg: TrainConfig) -> dict:
                                always_include=special, multiple_of=64)
         draft_ids, report = dv.draft_ids.tolist(), dv.report()
     store.close()
-    return dict(train=cfg.to_plan(), target=str(target),
-                layer_ids=manifest["layer_ids"], train_ids=train_ids, holdout_ids=hold_ids, draft_ids=draft_ids,
-                draft_vocab_report=report, total_steps=planned_steps(cfg, len(train_ids)), store_manifest={k: manifest.get(k) for k in
-                                                                                ("target", "layer_ids", "num_tokens")})
+    return dict(train=cfg.to_plan(), target=str(target), layer_ids=manifest["layer_ids"], train_ids=train_ids,
+                holdout_ids=hold_ids, draft_ids=draft_ids, draft_vocab_report=report,
+                total_steps=planned_steps(cfg, len(train_ids)),
+                store_manifest={k: manifest.get(k) for k in ("target", "layer_ids", "num_tokens")})

@@ -39,16 +39,17 @@ def _dry_run_in_fresh_process(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def test_dry_run_cpu_layout(tiny_setup, tmp_path, capsys):
-    """Two CPU workers: gloo, fp32, 1 CPU each; the training role's resources are the cluster's to decide (auto);
-    the step count comes from the store's manifest."""
+    """Two CPU workers: gloo, fp32, 1 CPU each, and a training slot each where the cluster declares training nodes
+    (the auto rule; '{}' switches it off); the step count comes from the store's manifest."""
     spec = main(_dry_args(tiny_setup, tmp_path / "run", "--workers", "2", "--bf16", "false", "--max-steps", "6"))
     assert json.loads(capsys.readouterr().out) == spec  # what it prints is what it returns
     assert spec["job"] == "train" and spec["backend"] == "ray"
     ray = spec["ray"]
-    assert ray["scaling_config"] == {"num_workers": 2, "use_gpu": False, "resources_per_worker": {"CPU": 1.0}}
-    assert ray["total_resources"] == {"CPU": 2.0}
-    assert ray["placement"]["role"] == "training" and ray["placement"]["worker_resources"] == "auto"
-    assert ray["placement"]["resources_per_worker_on_training_nodes"] == {"CPU": 1.0, "training": 1.0}
+    assert ray["scaling_config"] == {"num_workers": 2, "use_gpu": False,
+                                     "resources_per_worker": {"CPU": 1.0, "training": 1.0}}
+    assert ray["placement"] == {"role": "training", "rule": "auto", "resources": {"training": 1.0},
+                                "applies_when": "the cluster declares 'training'", "otherwise": {}}
+    assert ray["total"] == {"num_cpus": 2.0, "num_gpus": 0.0, "resources": {"training": 2.0}}
     assert ray["torch_config"]["backend"] == "gloo"
     assert ray["run_config"]["storage_path"] == str((tmp_path / "run" / "ray").resolve())
     assert spec["torch"] == {"device": "cpu", "process_group": "gloo", "master_weights": "float32",
@@ -58,20 +59,22 @@ def test_dry_run_cpu_layout(tiny_setup, tmp_path, capsys):
     assert data["samples"] == 12 and data["train_samples"] + data["holdout_samples"] == 12
     assert data["layer_ids"] == [1, 2, 4] and data["seqs_per_step_all_workers"] == 4 and data["total_steps"] == 6
     assert not (tmp_path / "run").exists()  # nothing written
+    unplaced = main(_dry_args(tiny_setup, tmp_path / "run", "--workers", "2", "--worker-resources", "{}"))["ray"]
+    assert unplaced["placement"] == {"role": "training", "rule": "explicit", "resources": {}}
+    assert unplaced["scaling_config"]["resources_per_worker"] == {"CPU": 1.0}
 
 
 def test_dry_run_gpu_layout_without_ray(tiny_setup, tmp_path):
     """One training node with 2 GPUs (ray start --num-gpus 2 --resources '{"training": 2}'): 2 GPU workers, one GPU
     and one training slot each, NCCL, bf16 autocast - printed by a process that never imports Ray."""
-    argv = _dry_args(tiny_setup, tmp_path / "run", "--workers", "2", "--gpus-per-worker", "1",
-                     "--worker-resources", '{"training": 1}', "--epochs", "3")
+    argv = _dry_args(tiny_setup, tmp_path / "run", "--workers", "2", "--gpus-per-worker", "1", "--epochs", "3")
     spec, imported = _dry_run_in_fresh_process(argv)
     assert imported == []
     ray = spec["ray"]
     assert ray["scaling_config"] == {"num_workers": 2, "use_gpu": True,
                                      "resources_per_worker": {"CPU": 1.0, "GPU": 1.0, "training": 1.0}}
-    assert ray["total_resources"] == {"CPU": 2.0, "GPU": 2.0, "training": 2.0}
-    assert ray["placement"]["applied"] == {"training": 1.0} and "rule" not in ray["placement"]
+    assert ray["total"] == {"num_cpus": 2.0, "num_gpus": 2.0, "resources": {"training": 2.0}}
+    assert ray["placement"]["rule"] == "auto"
     assert ray["torch_config"]["backend"] == "nccl"
     assert spec["torch"]["process_group"] == "nccl" and spec["torch"]["autocast"] == "bfloat16"
     assert spec["torch"]["device"].startswith("cuda") and spec["torch"]["master_weights"] == "float32"
@@ -149,3 +152,35 @@ def test_train_rejects_bad_layouts(tmp_path, capsys, extra, message):
         main(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "run"), *extra])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_local_backend_runs_stages_one_and_two_in_process(target_dir, tmp_path):
+    """--backend local --prompts on the real target: greedy responses (transformers) and their hidden states in this
+    process, written in the stage formats (responses Parquet, a disk store naming them), then a short training run
+    on them; a second call reuses the finished store."""
+    from pipeline.shards import ShardSet
+    from pipeline.stores import DiskHiddenStore
+
+    args = ["--backend", "local", "--device", "cpu", "--prompts", str(PROJECT_ROOT / "pipeline/assets/"
+                                                                      "miniature_prompts.jsonl"),
+            "--limit-per-file", "5", "--max-new-tokens", "12", "--gen-batch", "5", "--target", str(target_dir),
+            "--data", str(tmp_path / "hidden"), "--out", str(tmp_path / "run"), "--num-layers", "1",
+            "--markov-rank", "16", "--max-steps", "2", "--seqs-per-step", "2", "--num-anchors", "4",
+            "--eval-every", "0", "--log-every", "1", "--holdout-frac", "0.2", "--cpus-per-worker", "2"]
+    main(args)
+    responses = ShardSet(tmp_path / "run" / "responses", key="request_id")
+    rows = list(responses.iter_rows(["request_id", "response_ids", "finish_reason"]))
+    assert len(rows) == 5 and all(1 <= len(r["response_ids"]) <= 12 for r in rows)
+    store = DiskHiddenStore(tmp_path / "hidden")
+    manifest = store.manifest()
+    assert sorted(manifest["sample_ids"]) == sorted(r["request_id"] for r in rows)
+    assert manifest["responses"] == str(tmp_path / "run" / "responses") and manifest["extractor"] == "hf"
+    sample = store.get(manifest["sample_ids"][0])
+    assert sample["aux_hidden"].shape[1] == manifest["aux_dim"] == 3 * manifest["hidden_size"]
+    assert sample["target_lse"] is not None and int(sample["loss_mask"].sum()) >= 1
+    assert sorted(losses_by_step(tmp_path / "run")) == [1, 2]
+    assert (tmp_path / "run" / "drafter" / "config.json").is_file()
+    before = (tmp_path / "hidden" / "manifest.json").stat().st_mtime_ns
+    main(args)  # the store is finished: trained again, not extracted again
+    assert (tmp_path / "hidden" / "manifest.json").stat().st_mtime_ns == before
