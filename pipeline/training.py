@@ -388,12 +388,12 @@ def teacher_forced_tau(model, samples: list[dict], blocks_per_sample: int = 64) 
         for s in map(on_model_device(model), samples):
             ids, mask = s["input_ids"].long()[None], s["loss_mask"][None]
             cand = anchor_candidates(mask)[0].nonzero().squeeze(1)  # [C]
-            blk = block_labels(ids, mask, cand[None], torch.ones(1, len(cand), dtype=torch.bool), G)
+            blk = block_labels(ids, mask, cand[None], torch.ones(1, len(cand), dtype=torch.bool, device=ids.device), G)
             keep = blk.label_mask[0].all(-1).nonzero().squeeze(1)  # blocks with γ supervised labels
             if len(keep) == 0:
                 continue
             if len(keep) > blocks_per_sample:
-                keep = keep[torch.linspace(0, len(keep) - 1, blocks_per_sample).round().long()]
+                keep = keep[torch.linspace(0, len(keep) - 1, blocks_per_sample, device=keep.device).round().long()]
             h = model.forward_train(s["aux_hidden"][None], ids, cand[keep][None])  # [1,S,γ,d]
             logits = model.block_logits(h, blk.prev[:, keep]).logits  # [S·γ, V_d]
             pred = model.draft_ids[logits.argmax(-1)].view(-1, G)  # target ids
@@ -420,7 +420,7 @@ def greedy_walk_tau(model, samples: list[dict], max_tokens: int) -> dict:
             if len(resp) < 2:
                 continue
             start, end = int(resp[0]), min(int(resp[-1]) + 1, int(resp[0]) + max_tokens)  # response span to replay
-            anchors = torch.arange(start, end - 1)[None]  # a round can start at any of them
+            anchors = torch.arange(start, end - 1, device=ids.device)[None]  # a round can start at any of them
             blk = block_labels(ids, mask, anchors, torch.ones_like(anchors, dtype=torch.bool), G)
             h = model.forward_train(s["aux_hidden"][None], ids, anchors)
             pred = model.draft_ids[model.block_logits(h, blk.prev).logits.argmax(-1)].view(-1, G)

@@ -13,6 +13,8 @@ import torch
 from jobs.train import main
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.runtime import PROJECT_ROOT
+from pipeline.shards import ShardSet
+from pipeline.stores import DiskHiddenStore
 from pipeline.training import LOCAL_CHECKPOINTS, STATE_FILE, latest_checkpoint, read_learning_curve
 from tiny_training import build_tiny_training_set, losses_by_step, train_args
 
@@ -159,9 +161,6 @@ def test_local_backend_runs_stages_one_and_two_in_process(target_dir, tmp_path):
     """--backend local --prompts on the real target: greedy responses (transformers) and their hidden states in this
     process, written in the stage formats (responses Parquet, a disk store naming them), then a short training run
     on them; a second call reuses the finished store."""
-    from pipeline.shards import ShardSet
-    from pipeline.stores import DiskHiddenStore
-
     args = ["--backend", "local", "--device", "cpu", "--prompts", str(PROJECT_ROOT / "pipeline/assets/"
                                                                       "miniature_prompts.jsonl"),
             "--limit-per-file", "5", "--max-new-tokens", "12", "--gen-batch", "5", "--target", str(target_dir),
@@ -184,3 +183,25 @@ def test_local_backend_runs_stages_one_and_two_in_process(target_dir, tmp_path):
     before = (tmp_path / "hidden" / "manifest.json").stat().st_mtime_ns
     main(args)  # the store is finished: trained again, not extracted again
     assert (tmp_path / "hidden" / "manifest.json").stat().st_mtime_ns == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_local_backend_on_cuda_resumes_and_matches_cpu(tiny_setup, tmp_path):
+    """--backend local --device cuda (bf16 autocast by default): it trains and exports; a run preempted after step
+    3 and resumed matches the uninterrupted one (CUDA kernels may add in another order: close, not bitwise); in
+    fp32 (--bf16 false) the losses are those of the CPU run."""
+    cuda = ("--backend", "local", "--device", "cuda")
+    main(train_args(tiny_setup, tmp_path / "g", *cuda, "--bf16", "true"))
+    full = losses_by_step(tmp_path / "g")
+    assert sorted(full) == [1, 2, 3, 4, 5, 6] and full[6] < full[1]
+    main(train_args(tiny_setup, tmp_path / "h", *cuda, "--bf16", "true", "--stop-after", "3"))
+    main(train_args(tiny_setup, tmp_path / "h", *cuda, "--bf16", "true", "--resume"))
+    resumed = losses_by_step(tmp_path / "h")
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-3), step
+    load_drafter(tmp_path / "h" / "drafter", tiny_setup / "target")
+    main(train_args(tiny_setup, tmp_path / "f", *cuda))  # train_args: --bf16 false
+    main(train_args(tiny_setup, tmp_path / "c", "--backend", "local", "--device", "cpu"))
+    on_gpu, on_cpu = losses_by_step(tmp_path / "f"), losses_by_step(tmp_path / "c")
+    for step in range(1, 7):
+        assert on_gpu[step] == pytest.approx(on_cpu[step], rel=1e-3), step

@@ -7,6 +7,7 @@ import shutil
 import time
 
 import pytest
+import torch
 
 from jobs.train import main
 from pipeline.dspark.checkpoint import load_drafter
@@ -81,13 +82,25 @@ def test_train_two_workers_dflash(ray_session, tiny_setup, tmp_path, capfd):
     assert cfg["markov_rank"] == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_train_on_a_gpu_worker(ray_session, tiny_setup, tmp_path):
+    """--gpus-per-worker 1: a Ray Train GPU worker (use_gpu, NCCL process group, bf16 autocast) trains, checkpoints,
+    exports; a preempted run resumes."""
+    gpu = ("--gpus-per-worker", "1", "--bf16", "true")
+    main(_args(tiny_setup, tmp_path / "g", *gpu, "--stop-after", "3"))
+    assert sorted(_losses(tmp_path / "g")) == [1, 2, 3]
+    main(_args(tiny_setup, tmp_path / "g", *gpu, "--resume"))
+    assert sorted(_losses(tmp_path / "g")) == [1, 2, 3, 4, 5, 6]
+    load_drafter(tmp_path / "g" / "drafter", tiny_setup / "target")
+
+
 def test_train_workers_listen_on_loopback_only(ray_session, tmp_path):
     """The gradient all-reduce's rendezvous store and gloo sockets bind loopback (stock TorchConfig's store listens
     on every interface: ':::port', measured)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from pipeline.train_backend import LoopbackTorchConfig
+    from pipeline.train_backend import LoopbackTorchConfig  # imports ray
 
     def all_reduce_and_report_listeners(config):  # defined here: the workers get it by value, not by module name
         import json
