@@ -32,11 +32,14 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pipeline.prompts import chat_prompt_ids
+from pipeline.runtime import apply_env
 from serve_app.ingress_metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
                                 CompletionChunk, CompletionRequest, CompletionResponse, Health, ModelCard, ModelList,
                                 Usage)
+from serve_app.router import cluster_view
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -86,8 +89,6 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
     def __init__(self, engine, options: dict):
-        from pipeline.runtime import apply_env
-
         apply_env()
         from transformers import AutoTokenizer
 
@@ -154,8 +155,6 @@ class OpenAIIngress:
         return await self._complete(rid, req, body, chat, endpoint)
 
     def _chat_ids(self, msgs: list) -> list:
-        from pipeline.prompts import chat_prompt_ids
-
         try:
             if len(msgs) == 1 and msgs[0]["role"] == "user":
                 return chat_prompt_ids(self.tok, msgs[0]["content"])
@@ -315,6 +314,4 @@ class OpenAIIngress:
         return Response(self.metrics.exposition(view), media_type=CONTENT_TYPE)
 
     def _view(self) -> dict:
-        from serve_app.router import cluster_view
-
         return cluster_view(self.opts.engine_deployment)
