@@ -12,7 +12,12 @@ One ``step()`` = one round for every active request:
      [x_0..x_m] at positions n..n+m), tokens are appended with stop handling (EOS ids, stop strings, max_tokens --
      nothing past a stop is ever emitted, accepted drafts after an EOS are discarded).
 Requests may join (``add_request``) or leave (``abort``) between steps.  Without a drafter the same loop is the
-plain autoregressive baseline (depth 0, one token per request per forward).
+plain autoregressive baseline (depth 0, one token per request per forward).  In code the round is four phases over
+one ``RoundBatch``: ``_plan_depths`` (2-3), ``_run_target`` (1, 4), ``_verify`` (5), ``_commit`` (6).
+
+``SpecConfig(cuda_graphs=True)`` (CUDA targets only) pads every round that fits the buckets of
+pipeline.cuda_graphs.StaticShapes to fixed shapes and replays one CUDA graph per bucket for the target forward and,
+with a DSparkDrafter, for the drafting round; the outputs are the unpadded ones (tests/test_cuda_graphs.py).
 
 Drafter contract (pipeline/dspark/drafter.py): ``new_state()``, ``extend_context(state, aux_hidden [n, n_aux*d],
 start_pos)``, ``propose(states, anchors LongTensor[B], params, generator) -> DraftProposal(tokens [B, γ] target ids,
@@ -391,7 +396,7 @@ class SpeculativeEngine:
                                          batch.target_s, round_s)
         return outputs
 
-    def _plan_depths(self, batch: "RoundBatch") -> None:
+    def _plan_depths(self, batch: RoundBatch) -> None:
         """Depth caps (remaining budget, cache room), the drafting decision, the proposal and the scheduler's L_r."""
         T = self.target
         P = batch.num_prefill
@@ -435,7 +440,7 @@ class SpeculativeEngine:
             batch.depths[i] = int(min(d, batch.max_depth[i]))
         self.timers.schedule_s += time.perf_counter() - t1
 
-    def _run_target(self, batch: "RoundBatch") -> None:
+    def _run_target(self, batch: RoundBatch) -> None:
         """ONE target forward: prompts (1 logits row each) and [x_0, x_1..x_L] (L+1 rows) for the decoding requests."""
         T = self.target
         P = batch.num_prefill
@@ -457,7 +462,7 @@ class SpeculativeEngine:
         batch.target_s = time.perf_counter() - t0
         self.timers.target_s += batch.target_s
 
-    def _verify(self, batch: "RoundBatch") -> None:
+    def _verify(self, batch: RoundBatch) -> None:
         """The rejection sampler over the round; the scheduler sees what the drafted rows' verification gave."""
         t0 = time.perf_counter()
         prop, out = batch.proposal, batch.target_out
@@ -470,7 +475,7 @@ class SpeculativeEngine:
             self.scheduler.observe_acceptance([batch.depths[i] for i in batch.drafted],
                                               [batch.result.num_accepted[i] for i in batch.drafted])
 
-    def _commit(self, batch: "RoundBatch") -> list[RequestOutput]:
+    def _commit(self, batch: RoundBatch) -> list[RequestOutput]:
         """Statistics, tokens with stop handling, cache rollback to the verified prefix; finished requests leave."""
         T = self.target
         res, out = batch.result, batch.target_out
@@ -535,7 +540,7 @@ class SpeculativeEngine:
         for r in todo:
             r.pending_ctx = []
 
-    def _propose(self, decode: list[_Request]) -> "RoundProposal":
+    def _propose(self, decode: list[_Request]) -> RoundProposal:
         """Group requests by draft sampling params (seeded requests alone, with their own generator)."""
         self._flush_context(decode)
         groups: dict = {}
