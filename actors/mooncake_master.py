@@ -60,6 +60,8 @@ from pipeline.stores.mooncake import ENV_MASTER_ADDR, ENV_METADATA_URL, ENV_SEGM
 from pipeline.runtime import LOOPBACK, apply_env, work_dir
 
 MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments
+# pre-fault at most this much of a segment (memory made resident at start; a bigger segment faults the rest lazily)
+PREFAULT_MAX_BYTES = 1 << 30
 log = logging.getLogger(__name__)
 
 
@@ -323,7 +325,8 @@ class MooncakeMaster:
     extra_master_args   more ``--flag=value`` for the master.
     die_with_parent     the children get SIGTERM if the process (thread) that started them dies.
     loopback_only       run the children with the bind-to-loopback shim (see module doc).
-    prefault            touch every page of a new segment once at start (see module doc), so puts never fault.
+    prefault            touch the pages of a new segment once at start (see module doc; the first
+                        PREFAULT_MAX_BYTES of it), so puts into that memory never fault.
     """
 
     def __init__(self, segment_bytes: int | str = 1 << 30, *, rpc_port: int | None = None,
@@ -470,7 +473,7 @@ class MooncakeMaster:
             time.sleep(0.1)
         if self.prefault if prefault is None else prefault:
             t0 = time.monotonic()
-            prefault_segment(ep.on_server(server), nbytes)
+            prefault_segment(ep.on_server(server), min(nbytes, PREFAULT_MAX_BYTES))
             with log.open("a") as f:
                 f.write(f"[dspark] segment pre-faulted in {time.monotonic() - t0:.2f} s\n")
         return server
