@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import ray
 
-from actors.extraction import VLLMExtractor
+from actors.extraction import _IN_SCHEMA, VLLMExtractor
+from actors.mooncake_master import loopback_preload_env
+from actors.vllm_engine import actor_runtime_env
 from pipeline.placement import INFERENCE, role_resources
+from pipeline.stores.mooncake import MooncakeHiddenStore, tensor_bytes_view
+from pipeline.target_model import num_layers
 
 
 class _ExtractionWorker:
     def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, endpoint: dict,
                  prefix: str, kind: str, node_endpoints: dict | None = None):
-        from pipeline.stores.mooncake import MooncakeHiddenStore
-
         self.node_id = ray.get_runtime_context().get_node_id()
         # this node's segment server when there is one per node: its puts stay on this node
         endpoint = (node_endpoints or {}).get(self.node_id, endpoint)
@@ -36,10 +39,6 @@ class _ExtractionWorker:
 
     def _sample_in_store(self, row: dict, aux_dim: int, hidden: int) -> dict:
         """The row's tensors decoded straight into the store's registered memory (no other copy on this side)."""
-        import numpy as np
-
-        from pipeline.stores.mooncake import tensor_bytes_view
-
         out = self.store.alloc_sample(row["n_tokens"], aux_dim, hidden, with_lse=row.get("target_lse") is not None)
         for name, t in out.items():
             src = np.frombuffer(row[name], dtype=np.uint8)
@@ -53,8 +52,6 @@ class _ExtractionWorker:
     def extract(self, requests: list[dict]) -> list[str]:
         """Run the target over ``requests``, put every sample (one batched transfer) and return their keys."""
         import pyarrow as pa
-
-        from actors.extraction import _IN_SCHEMA
 
         table = self.extractor(pa.Table.from_pylist(requests, schema=_IN_SCHEMA))
         hidden = self.extractor.norm_w.shape[0]
@@ -74,11 +71,6 @@ class ExtractionService:
     def __init__(self, target: str, layer_ids: list[int], endpoint, prefix: str, num_workers: int = 1,
                  max_model_len: int = 2048, kind: str = "vllm", num_cpus: float = 1.0, resources: dict | None = None,
                  node_endpoints: dict | None = None):
-        from pipeline.target_model import num_layers
-
-        from actors.mooncake_master import loopback_preload_env
-        from actors.vllm_engine import actor_runtime_env
-
         ep = endpoint.to_dict() if hasattr(endpoint, "to_dict") else dict(endpoint)
         # the worker's Mooncake client must bind loopback only: the shim has to be preloaded at process start
         if resources is None:
