@@ -293,8 +293,9 @@ def check_engine(cfg: CheckConfig, model) -> dict:
                 if static is not None:
                     r["target_padded_runs"], r["target_graphs"] = static.runs, static.recorded
                     r["target_graph_replays"] = static.replays
-                if eng._static_draft is not None:
-                    r["draft_padded_runs"], r["draft_graphs"] = eng._static_draft.runs, eng._static_draft.recorded
+                if eng.static_draft is not None:
+                    r["draft_padded_runs"], r["draft_graphs"] = eng.static_draft.runs, eng.static_draft.recorded
+                    r["draft_graph_replays"] = eng.static_draft.replays
                 res[name] = r
             base = res["plain_eager"]["tokens_per_s"]
             for r in res.values():

@@ -286,7 +286,7 @@ class SpeculativeEngine:
         # the drafter produced for that round (STS-scaled when the drafter has temperatures), or None.
         self.record_rounds = False
         self.round_log: list[dict] = []
-        self._static_draft: StaticDraftProposer | None = None  # use_static_shapes; else drafter.propose
+        self.static_draft: StaticDraftProposer | None = None  # use_static_shapes; else drafter.propose
         if self.spec.cuda_graphs:
             if self.target.device.type != "cuda":
                 raise ValueError(f"cuda_graphs needs a CUDA target, this one runs on {self.target.device}")
@@ -299,7 +299,7 @@ class SpeculativeEngine:
         shapes = shapes or StaticShapes(max_tokens=self.depth_cap + 1)
         self.target.static_forward = StaticTargetForward(self.target, shapes, capture=capture)
         if isinstance(self.drafter, DSparkDrafter):
-            self._static_draft = StaticDraftProposer(self.drafter, shapes, capture=capture)
+            self.static_draft = StaticDraftProposer(self.drafter, shapes, capture=capture)
 
     # ------------------------------------------------------------------ request management
     def add_request(self, prompt, params: SamplingParams | None = None, max_tokens: int = 16,
@@ -548,7 +548,7 @@ class SpeculativeEngine:
             dp = self._draft_params(r.params)
             key = (dp, id(r.generator)) if r.generator is not None else (dp, None)
             groups.setdefault(key, []).append(r)
-        propose = self._static_draft or self.drafter.propose
+        propose = self.static_draft or self.drafter.propose
         toks, qs, confs, q_row = [], [], [], {}
         draft_ids = None
         has_conf = True

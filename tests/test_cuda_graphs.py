@@ -132,7 +132,7 @@ def test_padded_engine_equals_ragged_engine():
     assert [o.output_ids for o in g1] == [o.output_ids for o in g0] == refs
     assert [o.stats.accepted_at for o in g1] == [o.stats.accepted_at for o in g0]
     assert [o.output_ids for o in s1] == [o.output_ids for o in s0]
-    assert eng.target.static_forward.runs > 10 and eng._static_draft.runs > 10  # the padded paths ran
+    assert eng.target.static_forward.runs > 10 and eng.static_draft.runs > 10  # the padded paths ran
     with pytest.raises(ValueError, match="CUDA target"):
         SpeculativeEngine(TargetRunner(target, "float32", device="cpu"), eng.drafter,
                           SpecConfig(method="dspark", cuda_graphs=True))

@@ -66,7 +66,7 @@ def test_cuda_graphs_greedy_equals_eager(dtype, speculative):
     assert [eng.generate([p], SamplingParams(), max_tokens=24)[0].output_ids for p in PROMPTS] == refs
     assert static.replays > 2 * recorded
     if speculative:
-        assert eng._static_draft.recorded > 0 and eng._static_draft.replays > eng._static_draft.recorded
+        assert eng.static_draft.recorded > 0 and eng.static_draft.replays > eng.static_draft.recorded
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -83,7 +83,7 @@ def test_sampling_on_cuda_matches_target_distribution(graphs):
         eng.use_static_shapes(capture=True, shapes=StaticShapes(row_buckets=(N,), max_tokens=4, min_keys=16))
     outs = eng.generate([prompt] * N, params, max_tokens=n)
     if graphs:
-        assert eng.target.static_forward.replays > 0 and eng._static_draft.replays > 0
+        assert eng.target.static_forward.replays > 0 and eng.static_draft.replays > 0
     counts = joint_counts(outs, V, n)
     assert chi2_pvalue(counts, _exact_joint(model, prompt, n, params, V)) > 1e-3
 
