@@ -8,6 +8,9 @@ slot-based KV cache:
   ``[N, d]`` tokens; only attention is padded to ``[R, T_max]`` queries x ``[R, K_max]`` keys with an exact mask
   (causal by absolute position, sliding window where the checkpoint has one);
 * KV rollback to the accepted prefix is ``truncate(slot, new_len)`` (O(1): stale entries are masked and overwritten);
+* a forward is planned on the host as one ``RaggedBatch`` (token ids, positions, slots, offsets); with a
+  ``static_forward`` attached (pipeline/cuda_graphs.py) the batches that fit its buckets run padded to fixed shapes,
+  on a GPU as replayed CUDA graphs over the same preallocated cache;
 * returns fp32 logits for the requested trailing tokens of every request (the LM head runs in fp32 by default, so the
   acceptance test always sees fp32 probabilities even when the body computes in bf16) and the hidden states of the
   chosen aux layer ids for all new tokens.
