@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from pipeline.cuda_graphs import StaticShapes
+from pipeline.dspark.anchors import make_blocks
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.engine import SpecConfig, SpeculativeEngine
@@ -170,9 +171,8 @@ def drafter_config(model, block_size: int) -> DrafterConfig:
 # ------------------------------------------------------------------------------------------------- 1. training
 def check_training(cfg: CheckConfig, model) -> dict:
     """CPU fp32 vs device fp32 and device bf16 autocast: one accumulated step on three short sequences."""
-    try:  # pipeline.training needs pyarrow (its stores): report it missing instead of failing the other checks
+    try:  # the losses and pipeline.training need pyarrow (their stores): report it missing, run the other checks
         training = importlib.import_module("pipeline.training")
-        from pipeline.dspark.anchors import make_blocks
         from pipeline.dspark.losses import LossConfig, TargetHead, weight_sum
     except ImportError as e:
         return {"skipped": f"import failed: {e}"}

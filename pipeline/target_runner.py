@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import packed_linear as pl
+from pipeline.hugepages import arena_copy
 from pipeline.layers import apply_rope, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -269,8 +270,6 @@ class TargetRunner:
         if self.linear_backend == "tuned":
             self.flinear_rows = pl.tune_flinear_rows(self.linear_groups())
         if huge_page_arena and self.device.type == "cpu":  # the streamed matrices in one huge-page-backed block
-            from pipeline.hugepages import arena_copy
-
             plain = [w for w in self.linear_weights() if w.weight is not None]
             for dt_ in {w.weight.dtype for w in plain}:
                 group = [w for w in plain if w.weight.dtype == dt_]

@@ -14,13 +14,11 @@ from pipeline.sampling import SamplingParams
 from pipeline.target_runner import TargetRunner
 from test_drafter import D, randomize, tiny_cfg
 from test_target_runner import CFG, _model
-from toy_drafter import greedy_reference, tiny_llama
+from toy_drafter import greedy_reference, one_thread, tiny_llama
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    from toy_drafter import one_thread
-
     yield from one_thread()
 
 

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from pipeline.cuda_graphs import StaticShapes
+from pipeline.dspark.anchors import make_blocks
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.config import DrafterConfig
 from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import CostTable
 from pipeline.target_runner import TargetRunner
+from test_engine import _exact_joint
 from toy_drafter import chi2_pvalue, joint_counts, tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -71,8 +73,6 @@ def test_cuda_graphs_greedy_equals_eager(dtype, speculative):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_sampling_on_cuda_matches_target_distribution(graphs):
-    from test_engine import _exact_joint
-
     V, n, N = 4, 4, 3000
     model = tiny_llama(vocab=V, hidden=32, seed=5, head_scale=2.0)
     prompt = [0, 1, 2]
@@ -89,7 +89,8 @@ def test_sampling_on_cuda_matches_target_distribution(graphs):
 
 
 def test_training_step_on_cuda_equals_cpu():
-    from pipeline.dspark.anchors import make_blocks
+    # the losses and the training loop need pyarrow (their hidden-state stores), which a GPU box running only the
+    # engine tests may lack: imported here so the other tests still run there
     from pipeline.dspark.losses import LossConfig, TargetHead, weight_sum
     from pipeline.training import accumulate_gradients
 

@@ -6,18 +6,18 @@ import itertools
 import pytest
 import torch
 
+from pipeline.dspark.config import DrafterConfig
+from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.sampling import SamplingParams, probs_from_logits
 from pipeline.scheduler import CostTable, FixedDepth
 from pipeline.target_runner import TargetRunner
 from toy_drafter import (CharTokenizer, chi2_pvalue, greedy_reference, joint_counts, make_toy_drafter,
-                         tiny_llama)
+                         one_thread, tiny_llama)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    from toy_drafter import one_thread
-
     yield from one_thread()
 
 GAMMA = 4
@@ -313,12 +313,9 @@ def test_sampling_matches_target_distribution(case):
 def test_with_pipeline_drafter(target, refs):
     """The real DSparkDrafter (random weights) through the same engine: greedy output is still exactly the target's
     (lossless whatever the drafter quality); its nn.Module ``cfg`` and batched ``extend_contexts`` are used."""
-    drafter_mod = pytest.importorskip("pipeline.dspark.drafter")
-    from pipeline.dspark.config import DrafterConfig
-
     cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, aux_layer_ids=[1, 2], mask_token_id=0,
                                            markov_rank=8, block_size=GAMMA)
-    dr = drafter_mod.DSparkDrafter.from_target(cfg, target).eval()
+    dr = DSparkDrafter.from_target(cfg, target).eval()
     tr = TargetRunner(target, "float32", device="cpu", max_seq_len=128)
     eng = SpeculativeEngine(tr, dr, SpecConfig(method="dspark", scheduler="hardware", cost_table=COST))
     outs = eng.generate(PROMPTS, SamplingParams(), max_tokens=NTOK)

@@ -4,13 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline import packed_linear
+from pipeline.hugepages import HUGE_PAGE, arena_copy, huge_page_fraction, thp_mode
 from pipeline.target_runner import TargetRunner
+from toy_drafter import one_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    from toy_drafter import one_thread
-
     yield from one_thread()
 
 CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -37,8 +38,6 @@ def _model(kind, dtype=torch.float32):
 def test_parity_with_transformers_fp32(kind, backend):
     """Every linear back end (MKL F.linear, oneDNN pre-packed weights, F.linear for <= 2 rows and packed above,
     per-shape thresholds timed at build) matches transformers; qwen2 covers biases."""
-    from pipeline import packed_linear
-
     packed = backend != "mkl"
     if packed and not packed_linear.available():
         pytest.skip("this PyTorch build has no oneDNN packed linear")
@@ -202,8 +201,6 @@ def test_several_from_pretrained_reads_each_storage_dtype_once(tmp_path, monkeyp
 
 def test_huge_page_arena():
     """arena_copy: same values and shapes, 2 MiB-aligned, one block; a runner built with it computes the same."""
-    from pipeline.hugepages import HUGE_PAGE, arena_copy, huge_page_fraction, thp_mode
-
     g = torch.Generator().manual_seed(0)
     ts = [torch.randn(1024, 1027, generator=g), torch.randn(3, 5, generator=g), torch.randn(2048, 1024, generator=g)]
     cs = arena_copy(ts)
