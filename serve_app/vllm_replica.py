@@ -118,8 +118,12 @@ class VLLMEngineReplica:
     # ------------------------------------------------------------------------------------------- public methods
     async def generate(self, request: dict, _route: dict | None = None):
         """Stream events for one request (see the module docstring); ``_route`` is injected by the router."""
+        import vllm.exceptions
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
+
+        # errors caused by the request (vLLM's own 4xx class where this vLLM has one)
+        client_errors = (TypeError, ValueError, getattr(vllm.exceptions, "VLLMClientError", ValueError))
 
         if _route:
             self._route = dict(_route)
@@ -128,7 +132,7 @@ class VLLMEngineReplica:
         self._totals["requests"] += 1
         try:
             params = SamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_kwargs(request))
-        except (TypeError, ValueError) as e:
+        except client_errors as e:
             self._totals["rejected"] += 1
             yield {"error": str(e), "status": 400, "finished": True, "replica": self.replica_id}
             return
@@ -151,7 +155,8 @@ class VLLMEngineReplica:
                               cluster_load=self._cluster_load, load_shift=0,
                               scheduler=self.opts.scheduler, routing=(_route or {}).get("ranking"))
                 yield ev
-        except ValueError as e:  # vLLM's input validation (prompt too long, bad parameter)
+        except client_errors as e:  # vLLM's input validation (prompt too long, bad parameter)
+            finished = True
             self._totals["rejected"] += 1
             yield {"error": str(e), "status": 400, "finished": True, "replica": self.replica_id}
         finally:

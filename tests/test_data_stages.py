@@ -12,6 +12,7 @@ import torch
 
 from actors.extraction import ExtractConfig, run_extraction
 from actors.generation import GenerateConfig, run_generation
+from pipeline.launch_plan import EngineLayout
 from pipeline.stores.disk import DiskHiddenStore
 from pipeline.shards import ShardSet
 
@@ -82,6 +83,12 @@ def test_actor_memory_request(ray_session, target_dir):
     assert bf16 == int(MEMORY_HEADROOM * (stored + kv + ACTOR_RUNTIME_BYTES))
     assert actor_memory_estimate(str(target_dir), "float32", kv_cache=False) == int(
         MEMORY_HEADROOM * (2 * stored + ACTOR_RUNTIME_BYTES))
+    # a CUDA engine keeps its KV cache in GPU memory: the host reserve is weights + runtime
+    gpu = EngineLayout(gpus=1.0)
+    assert actor_memory_estimate(str(target_dir), "bfloat16", layout=gpu) == int(
+        MEMORY_HEADROOM * (stored + ACTOR_RUNTIME_BYTES))
+    assert actor_memory_estimate(str(target_dir), "auto", layout=gpu) == actor_memory_estimate(
+        str(target_dir), "bfloat16", layout=gpu)  # auto = bf16 on CUDA
     have = ray.available_resources()["memory"]
     assert actor_memory_request("auto", str(target_dir), "float32", 1) == min(fp32, int(have))
     assert actor_memory_request("auto", str(target_dir), "float32", 64) <= have / 64
