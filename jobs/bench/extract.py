@@ -13,6 +13,10 @@ from __future__ import annotations
 import random
 import time
 
+import pyarrow as pa
+
+from actors.extraction import _IN_SCHEMA, VLLMExtractor
+from actors.vllm_engine import build_llm
 from pipeline.runtime import init_ray
 from pipeline.shards import ShardSet
 from pipeline.stores.base import bytes_per_token
@@ -37,10 +41,6 @@ def run(args, harness) -> dict:
     if args.samples < 2 or args.reps < 1:
         raise SystemExit(f"--samples must be >= 2 and --reps >= 1, got {args.samples}, {args.reps}")
     ray = init_ray(num_cpus=2)
-    import pyarrow as pa
-
-    from actors.extraction import _IN_SCHEMA, VLLMExtractor
-
     target = str(resolve_target(args.target))
     L = num_layers(target)
     ids = [int(x) for x in args.layer_ids.split(",")]
@@ -60,8 +60,6 @@ def run(args, harness) -> dict:
     @ray.remote(num_cpus=1, runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}})
     class Prefill:
         def __init__(self):
-            from actors.vllm_engine import build_llm
-
             self.llm = build_llm(target, max_model_len=max_len)
 
         def run(self, seqs):

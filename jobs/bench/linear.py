@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import packed_linear
+from pipeline.hugepages import huge_page_fraction
 from pipeline.target_model import resolve_target
+from pipeline.target_runner import TargetRunner
 
 NAME = "linear"
 HELP = "CPU linear back ends of the fp32 target: F.linear vs oneDNN packed per weight shape, and whole forwards"
@@ -107,9 +109,6 @@ def per_shape(harness, target: Path, rows: list[int], reps: int, cache_mb: int) 
 
 def whole_forward(harness, target: Path, rows: list[int], backends: list[str], reps: int, arena: str) -> dict:
     """{back end: {rows: median ms}} of whole target forwards."""
-    from pipeline.hugepages import huge_page_fraction
-    from pipeline.target_runner import TargetRunner
-
     runners = {}
     for on in {"on": [True], "off": [False], "both": [True, False]}[arena]:
         tag = "" if arena != "both" else ("+arena" if on else "-arena")

@@ -37,6 +37,7 @@ from pipeline.prompts import read_prompt_files
 from pipeline.runtime import init_ray
 from pipeline.subsets import subsample
 from pipeline.target_model import resolve_target
+from serve_app.app import ServeConfig, build_app
 
 NAME = "load"
 HELP = "loopback load test of the Serve app: no-spec / fixed / load-aware at several concurrencies (or a soak)"
@@ -284,8 +285,6 @@ def run(args, harness) -> dict:
     # the systems' replicas live side by side but only one works at a time: logical CPUs for all of them
     init_ray(num_cpus=max(os.cpu_count() or 1, 2) * len(systems))
     from ray import serve
-
-    from serve_app.app import ServeConfig, build_app
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     base = f"http://127.0.0.1:{args.port}"

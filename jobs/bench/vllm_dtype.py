@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from actors.vllm_engine import build_llm
 from pipeline.runtime import PROJECT_ROOT, apply_env
 from pipeline.target_model import resolve_target
 
@@ -32,8 +33,6 @@ def generation_rate(dtype: str, batch: int, tokens: int) -> float:
     """Output tokens/s of one vLLM engine of ``dtype`` in this process (after a 2-request warm-up)."""
     apply_env()
     from vllm import SamplingParams
-
-    from actors.vllm_engine import build_llm
 
     llm = build_llm(str(resolve_target(None)), max_model_len=1024, dtype=dtype)
     prompts = [{"prompt_token_ids": [1, 2, 3, 400 + i, 500 + i] * 20} for i in range(batch)]
