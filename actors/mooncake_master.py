@@ -56,7 +56,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pipeline.stores.mooncake import ENV_MASTER_ADDR, ENV_METADATA_URL, ENV_SEGMENT_NAME, ENV_SEGMENT_SERVER
+from pipeline.stores.mooncake import (ENV_MASTER_ADDR, ENV_METADATA_URL, ENV_SEGMENT_NAME, ENV_SEGMENT_SERVER,
+                                      SEGMENT_SERVER_KEY)
 from pipeline.runtime import LOOPBACK, apply_env, work_dir
 
 MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments
@@ -382,6 +383,7 @@ class MooncakeMaster:
                 if self.segment_bytes:
                     server = self.add_segment_server(self.segment_bytes, timeout)
                     self._endpoint = self._endpoint.on_server(server)
+                    self._advertise(server)
                 atexit.register(self.stop)
                 return self.endpoint
             except MooncakeLaunchError as e:
@@ -441,6 +443,20 @@ class MooncakeMaster:
         except (OSError, ValueError):
             return False
         return code in (200, 404) and tcp_reachable(*_split_addr(ep.master_addr), timeout=1.0)
+
+    def _advertise(self, server: SegmentServer) -> None:
+        """Publish the first segment server at the metadata server, so that stores opened with only the master's
+        addresses (``--mooncake-master``) find it (pipeline.stores.mooncake.SEGMENT_SERVER_KEY)."""
+        body = json.dumps({"segment_server": server.address, "segment_name": server.segment_name}).encode()
+        req = urllib.request.Request(f"{self.endpoint.metadata_url}?key={SEGMENT_SERVER_KEY}", data=body,
+                                     method="PUT")
+        try:
+            with _NO_PROXY.open(req, timeout=5.0) as r:
+                ok = r.status == 200
+        except OSError as e:
+            ok, _ = False, e
+        if not ok:
+            raise MooncakeLaunchError(f"could not publish the segment server at {self.endpoint.metadata_url}")
 
     def add_segment_server(self, segment_bytes: int | str, timeout: float = 60.0,
                            prefault: bool | None = None) -> SegmentServer:

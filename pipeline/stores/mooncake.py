@@ -44,6 +44,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.request
 import uuid
 from typing import Iterable, Iterator
 
@@ -59,6 +60,9 @@ ENV_MASTER_ADDR = "MOONCAKE_MASTER_ADDR"
 ENV_METADATA_URL = "MOONCAKE_METADATA_URL"
 ENV_SEGMENT_SERVER = "MOONCAKE_SEGMENT_SERVER"
 ENV_SEGMENT_NAME = "MOONCAKE_SEGMENT_NAME"
+
+# where actors.mooncake_master.MooncakeMaster publishes its segment server at the metadata server (URL-quoted key)
+SEGMENT_SERVER_KEY = "dspark%2Fsegment_server"
 
 MAGIC = b"DSHS"
 _PREAMBLE = struct.Struct("<4sI")  # magic, header length
@@ -93,6 +97,25 @@ def _endpoint_strings(endpoint, master_addr, metadata_url, segment_server, segme
         raise StoreError("no Mooncake endpoint: pass endpoint= (actors.mooncake_master.MooncakeEndpoint), or "
                          f"master_addr= and metadata_url=, or set {ENV_MASTER_ADDR} and {ENV_METADATA_URL}")
     return master_addr, metadata_url, segment_server or "", segment_name or ""
+
+
+def discover_segment_server(metadata_url: str, timeout: float = 2.0) -> tuple[str, str]:
+    """(segment server, segment name) that the master's launcher published at ``metadata_url``; ("", "") if none."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    try:
+        with opener.open(f"{metadata_url}?key={SEGMENT_SERVER_KEY}", timeout=timeout) as r:
+            d = json.loads(r.read())
+        return str(d.get("segment_server", "")), str(d.get("segment_name", ""))
+    except (OSError, ValueError, AttributeError):
+        return "", ""
+
+
+def _reachable(addr: str, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection(_split(addr), timeout=timeout):
+            return True
+    except (OSError, StoreError):
+        return False
 
 
 def _split(addr: str) -> tuple[str, int]:
@@ -208,8 +231,9 @@ class MooncakeHiddenStore(HiddenStateStore):
 
     prefix              namespace of this store's keys (e.g. "hs/run1"); must not end with "/".
     endpoint            MooncakeEndpoint / dict / None (then master_addr+metadata_url or the environment).
-    segment_server      "host:port" of the segment server to work through (default: the endpoint's); "" = none,
-                        then this store is a full client of its own (every transfer over TCP).
+    segment_server      "host:port" of the segment server to work through (default: the endpoint's, else the
+                        environment's, else the one published at the metadata server); "" = none, then this store is
+                        a full client of its own (every transfer over TCP).
     segment_name        the segment new samples are placed in (default: the endpoint's; "" = the master chooses).
     global_segment_size memory a full client contributes (default 0; objects in it vanish when it closes).
     local_buffer_size   the client's own transfer buffer (carries the small JSON objects and zero_copy=False gets).
@@ -233,7 +257,7 @@ class MooncakeHiddenStore(HiddenStateStore):
         self.prefix = prefix
         self.master_addr, self.metadata_url, self.segment_server, self.segment_name = _endpoint_strings(
             endpoint, master_addr, metadata_url, segment_server, segment_name)
-        self.via_segment_server = bool(self.segment_server) and not global_segment_size
+
         self.zero_copy = zero_copy
         self.index_every = max(1, index_every)
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -249,6 +273,13 @@ class MooncakeHiddenStore(HiddenStateStore):
 
         apply_env()  # MC_TCP_BIND_ADDRESS=127.0.0.1 etc. before the transfer engine starts
         self._check_reachable("master", self.master_addr, connect_timeout_s)
+        if not self.segment_server and segment_server is None and not global_segment_size:
+            # only the master's addresses (e.g. --mooncake-master): the segment server its launcher published, if
+            # this process reaches it (it is on this host)
+            found, found_name = discover_segment_server(self.metadata_url)
+            if found and _reachable(found):
+                self.segment_server, self.segment_name = found, self.segment_name or found_name
+        self.via_segment_server = bool(self.segment_server) and not global_segment_size
         if self.via_segment_server:
             self._check_reachable("segment server", self.segment_server, connect_timeout_s)
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
