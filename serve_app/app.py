@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from pipeline.dspark.checkpoint import CheckpointError, read_config
 from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, EngineLayout, PlanError, vllm_engine_env,
                                   vllm_engine_kwargs)
@@ -174,7 +176,7 @@ class ServeConfig:
         return max(1, (os.cpu_count() or 1) // self.replicas)
 
     def replica_options(self, target: str | None = None) -> dict:
-        from serve_app.replica import ReplicaOptions
+        from serve_app.replica import ReplicaOptions  # the replica module brings Ray Serve (heavy): imported on use
 
         target = target or self.resolved_target()
         opts = ReplicaOptions(
@@ -367,7 +369,6 @@ def serve_plan(cfg: ServeConfig) -> dict:
 def gpu_visible() -> bool:
     """A GPU this driver or the connected Ray cluster can use (for engine=vllm's dspark method)."""
     import ray
-    import torch
 
     if torch.cuda.is_available():
         return True

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import fcntl
 import hashlib
 import json
 import logging
@@ -62,7 +63,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from ray import serve
+
+from pipeline.dspark.checkpoint import load_drafter
+from pipeline.engine import SpecConfig, SpeculativeEngine
+from pipeline.prompts import end_of_turn_ids
+from pipeline.runtime import apply_env, work_dir
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix
+from pipeline.target_runner import TargetRunner
 
 logger = logging.getLogger("ray.serve")
 
@@ -116,8 +126,6 @@ def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: i
     """'hardware' -> HardwareAwarePrefix, 'async' -> AsyncCapacity, both taking the cluster load through
     ``set_load(B_0, τ_0)`` and the token budget (lossless; see the module docstring).  DSparkDrafter applies its
     STS temperatures itself, so the schedulers use the raw sigmoid (temperatures=None)."""
-    from pipeline.scheduler import AsyncCapacity, HardwareAwarePrefix
-
     if kind == "hardware":
         return HardwareAwarePrefix(cost, None, budget=budget)
     if kind == "async":
@@ -126,8 +134,6 @@ def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: i
 
 
 def cost_table_key(opts: ReplicaOptions, max_tokens_per_request: int) -> str:
-    import torch
-
     tgt = Path(opts.target)
     cfg = tgt / "config.json"
     ident = {
@@ -152,11 +158,6 @@ def load_or_profile_cost_table(runner, opts: ReplicaOptions, max_tokens_per_requ
     1-token step measured slower than a 16-token one because another process took the cores -- is measured again,
     up to ``attempts`` times, keeping the most plausible.  (The live scale in pipeline.scheduler.LiveRoundCost then
     corrects the level to the speed the replica actually sees.)  Returns (CostTable, path, profiled: bool)."""
-    import fcntl
-
-    from pipeline.runtime import work_dir
-    from pipeline.scheduler import CostTable
-
     cache = Path(opts.cache_dir) if opts.cache_dir else work_dir() / "cache"
     cache.mkdir(parents=True, exist_ok=True)
     key = cost_table_key(opts, max_tokens_per_request)
@@ -225,15 +226,8 @@ class EngineReplica:
     """The engine deployment class (decorated below).  Constructor arg: ``ReplicaOptions`` as a dict."""
 
     def __init__(self, options: dict):
-        from pipeline.runtime import apply_env
-
         apply_env()
-        import torch
         from transformers import AutoTokenizer
-
-        from pipeline.engine import SpecConfig, SpeculativeEngine
-        from pipeline.prompts import end_of_turn_ids
-        from pipeline.target_runner import TargetRunner
 
         self.opts = opts = ReplicaOptions(**options)
         if opts.threads:
@@ -251,9 +245,6 @@ class EngineReplica:
         self.load_sched = None
         scheduler = "fixed"
         if opts.speculative:
-            from pipeline.dspark.checkpoint import load_drafter
-            from pipeline.scheduler import FixedDepth
-
             drafter = load_drafter(opts.drafter, opts.target, dtype=self.runner.dtype, device=self.runner.device)
             block = int(drafter.cfg.block_size)
             if opts.gamma is not None and opts.gamma > block:
@@ -263,8 +254,6 @@ class EngineReplica:
                 scheduler = FixedDepth(gamma)
             else:
                 if opts.cost_table:
-                    from pipeline.scheduler import CostTable
-
                     self.cost_table, self.cost_path = CostTable.load(opts.cost_table), Path(opts.cost_table)
                 else:
                     self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts, gamma + 1)
@@ -439,8 +428,6 @@ class EngineReplica:
             self._prev_stats.pop(rid, None)
 
     def _admit(self) -> None:
-        from pipeline.sampling import SamplingParams
-
         while self._pending and self.engine.num_active() < self.opts.max_batch:
             lv = self._pending.popleft()
             if lv.rid not in self._live:  # caller already gone

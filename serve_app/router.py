@@ -21,6 +21,11 @@ Cluster view (handed to the replica, which uses it for its verification depth --
   "ts": ...}`` for calls of the engine's ``generate`` method.  Stale stats (older than ``stale_after_s``) count as
   zero.
 
+Both engine replicas report what the placement needs: the native one (serve_app/replica.py) from its own engine
+loop, the vLLM one (serve_app/vllm_replica.py) from vLLM's output stream (requests in flight, those beyond
+``max_num_seqs`` as queued, the EMA of the gaps between engine steps as ``step_s``).  The vLLM replica records the
+cluster view but does not feed it to vLLM's verification budget (docs/serving_on_gpu.md).
+
 Every view is also published in-process (``cluster_view()``) for the ingress's /metrics (the router runs inside the
 ingress replica, which owns the engine handle).
 """
