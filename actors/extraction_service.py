@@ -22,6 +22,7 @@ import ray
 from actors.extraction import _IN_SCHEMA, VLLMExtractor
 from actors.mooncake_master import loopback_preload_env
 from actors.vllm_engine import actor_runtime_env
+from pipeline.launch_plan import EngineLayout
 from pipeline.placement import INFERENCE, role_resources
 from pipeline.stores.mooncake import MooncakeHiddenStore, tensor_bytes_view
 from pipeline.target_model import num_layers
@@ -29,11 +30,11 @@ from pipeline.target_model import num_layers
 
 class _ExtractionWorker:
     def __init__(self, target: str, layer_ids: list[int], n_layers: int, max_model_len: int, endpoint: dict,
-                 prefix: str, kind: str, node_endpoints: dict | None = None):
+                 prefix: str, kind: str, node_endpoints: dict | None = None, layout: dict | None = None):
         self.node_id = ray.get_runtime_context().get_node_id()
         # this node's segment server when there is one per node: its puts stay on this node
         endpoint = (node_endpoints or {}).get(self.node_id, endpoint)
-        self.extractor = VLLMExtractor(target, layer_ids, n_layers, max_model_len, kind=kind)
+        self.extractor = VLLMExtractor(target, layer_ids, n_layers, max_model_len, kind=kind, layout=layout)
         self.store = MooncakeHiddenStore(prefix, endpoint)
         self.segment_server = self.store.segment_server
 
@@ -70,16 +71,19 @@ class ExtractionService:
 
     def __init__(self, target: str, layer_ids: list[int], endpoint, prefix: str, num_workers: int = 1,
                  max_model_len: int = 2048, kind: str = "vllm", num_cpus: float = 1.0, resources: dict | None = None,
-                 node_endpoints: dict | None = None):
+                 node_endpoints: dict | None = None, layout: dict | None = None):
+        """``layout``: the engine layout of every worker (``pipeline.launch_plan.EngineLayout`` fields, e.g.
+        ``{"gpus": 1}``: each worker asks Ray for that many GPUs and runs its vLLM engine on CUDA)."""
         ep = endpoint.to_dict() if hasattr(endpoint, "to_dict") else dict(endpoint)
         # the worker's Mooncake client must bind loopback only: the shim has to be preloaded at process start
         if resources is None:
             resources = role_resources(INFERENCE)
-        cls = ray.remote(num_cpus=num_cpus, resources=resources,
+        gpus = EngineLayout(**layout).validate().gpus if layout else 0
+        cls = ray.remote(num_cpus=num_cpus, num_gpus=gpus, resources=resources,
                          runtime_env=actor_runtime_env(None, loopback_preload_env({})))(_ExtractionWorker)
         per_node = {k: (v.to_dict() if hasattr(v, "to_dict") else dict(v)) for k, v in (node_endpoints or {}).items()}
         self.workers = [cls.remote(str(target), list(layer_ids), num_layers(target), max_model_len, ep, prefix, kind,
-                                   per_node) for _ in range(num_workers)]
+                                   per_node, layout) for _ in range(num_workers)]
         self.placement = ray.get([w.ready.remote() for w in self.workers])  # [{node_id, segment_server}] per worker
         self._next = itertools.cycle(self.workers)
         self.prefix = prefix

@@ -54,6 +54,7 @@ import torch
 from pipeline.stores.base import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
                                    validate_sample)
 from pipeline.stores.mooncake_buffers import ALIGN, Arena, Lease, LeasePool, align_up
+from pipeline.launch_plan import MOONCAKE_PROTOCOL_ENV, MOONCAKE_PROTOCOLS
 from pipeline.runtime import LOOPBACK, apply_env
 
 ENV_MASTER_ADDR = "MOONCAKE_MASTER_ADDR"
@@ -97,6 +98,15 @@ def _endpoint_strings(endpoint, master_addr, metadata_url, segment_server, segme
         raise StoreError("no Mooncake endpoint: pass endpoint= (actors.mooncake_master.MooncakeEndpoint), or "
                          f"master_addr= and metadata_url=, or set {ENV_MASTER_ADDR} and {ENV_METADATA_URL}")
     return master_addr, metadata_url, segment_server or "", segment_name or ""
+
+
+def transfer_protocol() -> str:
+    """The transfer engine's protocol for a client that mounts its own segment: tcp, or rdma where the extract job
+    chose it (``--mooncake-protocol``, handed over as DSPARK_MOONCAKE_PROTOCOL)."""
+    p = os.environ.get(MOONCAKE_PROTOCOL_ENV, "tcp")
+    if p not in MOONCAKE_PROTOCOLS:
+        raise StoreError(f"{MOONCAKE_PROTOCOL_ENV}={p!r}: expected one of {MOONCAKE_PROTOCOLS}")
+    return p
 
 
 def discover_segment_server(metadata_url: str, timeout: float = 2.0) -> tuple[str, str]:
@@ -290,7 +300,7 @@ class MooncakeHiddenStore(HiddenStateStore):
             where = f"segment server {self.segment_server}"
         else:
             rc = self._store.setup(local_hostname, self.metadata_url, int(global_segment_size),
-                                   int(local_buffer_size), "tcp", "", self.master_addr)
+                                   int(local_buffer_size), transfer_protocol(), "", self.master_addr)
             where = f"master {self.master_addr}, metadata {self.metadata_url}"
         if rc != 0:
             raise StoreError(f"Mooncake setup failed (rc={rc}) for {where}: is the master running "
