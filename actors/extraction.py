@@ -24,7 +24,8 @@ from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_l
                                 engine_dtype)
 from pipeline.hf_extractor import HFExtractor
 from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, MOONCAKE_PROTOCOLS,
-                                  TP_HELP, EngineLayout, PlanError, check_count, check_non_negative, mooncake_plan)
+                                  TP_HELP, EngineLayout, PlanError, actor_pool_plan, check_count, check_non_negative,
+                                  mooncake_plan)
 from pipeline.placement import INFERENCE, role_resources
 from pipeline.runtime import init_ray
 from pipeline.shards import ShardSet
@@ -244,12 +245,7 @@ def extraction_plan(cfg: ExtractConfig, target) -> dict:
                               extra_env=extra_env)
     return {
         "job": "extract",
-        "ray": {"address": cfg.address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
-                "actor_pool": {"strategy": "ray.data.ActorPoolStrategy", "size": cfg.pool_size,
-                               "batch_size": cfg.batch_size},
-                "actor": actor,
-                "total": {"num_cpus": cfg.pool_size * cfg.actor_cpus, "num_gpus": cfg.pool_size * layout.gpus,
-                          "memory": cfg.pool_size * actor["memory"]}},
+        "ray": actor_pool_plan(cfg.address, cfg.pool_size, cfg.batch_size, actor, cfg.actor_cpus, layout),
         "engine": engine,
         "store": store,
     }

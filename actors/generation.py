@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from tqdm import tqdm
 from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_llm, engine_actor_plan,
                                 engine_config, engine_dtype, request_seed)
 from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, TP_HELP, EngineLayout,
-                                  check_count, check_non_negative)
+                                  actor_pool_plan, check_count, check_non_negative)
 from pipeline.placement import INFERENCE, role_resources
 from pipeline.prompts import DEFAULT_PROMPTS, read_prompt_files, tokenize_requests
 from pipeline.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
@@ -119,12 +118,7 @@ def generation_plan(cfg: GenerateConfig, target) -> dict:
                               cfg.actor_memory, cfg.actor_resources, env, kv_cache=True)
     return {
         "job": "generate",
-        "ray": {"address": cfg.address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
-                "actor_pool": {"strategy": "ray.data.ActorPoolStrategy", "size": cfg.pool_size,
-                               "batch_size": cfg.batch_size},
-                "actor": actor,
-                "total": {"num_cpus": cfg.pool_size * cfg.actor_cpus, "num_gpus": cfg.pool_size * layout.gpus,
-                          "memory": cfg.pool_size * actor["memory"]}},
+        "ray": actor_pool_plan(cfg.address, cfg.pool_size, cfg.batch_size, actor, cfg.actor_cpus, layout),
         "engine": {"backend": "vllm", "device": layout.device, "kwargs": kwargs, "env": env,
                    "sampling": {"max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                                 "top_k": cfg.top_k if cfg.top_k > 0 else -1,

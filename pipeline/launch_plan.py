@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 
@@ -184,6 +185,16 @@ def actor_plan(cls_name: str, num_cpus: float, layout: EngineLayout, memory_byte
 
 
 # ----------------------------------------------------------------------------------------------------- mooncake
+def actor_pool_plan(address: str | None, pool_size: int, batch_size: int, actor: dict, actor_cpus: float,
+                    layout: EngineLayout) -> dict:
+    """The "ray" part of a Ray Data stage's plan: where it runs, its actor pool, one actor's options, the totals."""
+    return {"address": address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
+            "actor_pool": {"strategy": "ray.data.ActorPoolStrategy", "size": pool_size, "batch_size": batch_size},
+            "actor": actor,
+            "total": {"num_cpus": pool_size * actor_cpus, "num_gpus": pool_size * layout.gpus,
+                      "memory": pool_size * actor["memory"]}}
+
+
 def installed_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
