@@ -16,7 +16,7 @@ from pipeline.runtime import PROJECT_ROOT
 from pipeline.shards import ShardSet
 from pipeline.stores import DiskHiddenStore
 from pipeline.training import LOCAL_CHECKPOINTS, STATE_FILE, latest_checkpoint, read_learning_curve
-from tiny_training import build_tiny_training_set, losses_by_step, train_args
+from tiny_training import build_tiny_training_set, losses_by_step, preempt_and_resume, train_args
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +109,10 @@ def test_local_backend_trains_and_resumes_exactly(tiny_setup, tmp_path):
     assert state["step"] == 6 and state["positions_seen"] > 0
     assert {"model", "optimizer", "scheduler", "drafter_config", "draft_ids"} <= set(state)
 
-    main(train_args(tiny_setup, tmp_path / "b", "--stop-after", "3", *opts))
-    assert sorted(losses_by_step(tmp_path / "b")) == [1, 2, 3] and not (tmp_path / "b" / "drafter").exists()
-    assert latest_checkpoint(tmp_path / "b").name == "step_00000003"
-    main(train_args(tiny_setup, tmp_path / "b", "--resume", *opts))
-    resumed = losses_by_step(tmp_path / "b")
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    for step in range(1, 7):
-        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    def preempted(out):
+        assert latest_checkpoint(out).name == "step_00000003"
+
+    preempt_and_resume(main, tiny_setup, tmp_path / "b", full, *opts, between=preempted)
     curve_a = read_learning_curve(tmp_path / "a" / "metrics.jsonl")
     curve_b = read_learning_curve(tmp_path / "b" / "metrics.jsonl")
     assert len(curve_a) == 3 and [x for x, _ in curve_b] == [x for x, _ in curve_a]

@@ -306,15 +306,22 @@ BAD = [
 ]
 
 
+def _post_raw(server, path: str, body):
+    """POST a test body as is ("M" stands for the served model's name) -> (the bytes sent, the response)."""
+    import requests
+
+    if isinstance(body, dict):
+        body = json.dumps({k: (server.model if v == "M" and k == "model" else v) for k, v in body.items()})
+    else:
+        body = body.replace(b'"M"', json.dumps(server.model).encode())
+    return body, requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"})
+
+
 def test_bad_inputs_get_openai_errors(server):
     import requests
 
     for path, body, status in BAD:
-        if isinstance(body, dict):
-            body = json.dumps({k: (server.model if v == "M" and k == "model" else v) for k, v in body.items()})
-        else:
-            body = body.replace(b'"M"', json.dumps(server.model).encode())
-        r = requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"})
+        body, r = _post_raw(server, path, body)
         assert r.status_code == status, (path, body[:200], r.status_code, r.text[:300])
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err
@@ -364,11 +371,7 @@ def test_bad_inputs_name_the_field(server):
     import requests
 
     for path, body, status, param, fragment in NAMED:
-        if isinstance(body, dict):
-            body = json.dumps({k: (server.model if v == "M" and k == "model" else v) for k, v in body.items()})
-        else:
-            body = body.replace(b'"M"', json.dumps(server.model).encode())
-        r = requests.post(server.url + path, data=body, headers={"Content-Type": "application/json"})
+        body, r = _post_raw(server, path, body)
         assert r.status_code == status, (path, body[:100], r.status_code, r.text[:300])
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", err

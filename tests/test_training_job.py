@@ -12,7 +12,7 @@ import torch
 from jobs.train import main
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.training import read_learning_curve
-from tiny_training import build_tiny_training_set, losses_by_step as _losses, train_args as _args
+from tiny_training import build_tiny_training_set, losses_by_step as _losses, preempt_and_resume, train_args as _args
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +29,9 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
     full = _losses(tmp_path / "a")
     assert sorted(full) == [1, 2, 3, 4, 5, 6] and full[6] < full[1]
     assert (tmp_path / "a" / "drafter" / "config.json").is_file() and (tmp_path / "a" / "loss_curve.png").is_file()
-    main(_args(tiny_setup, tmp_path / "b", "--stop-after", "3", *opts))
-    assert sorted(_losses(tmp_path / "b")) == [1, 2, 3] and not (tmp_path / "b" / "drafter").exists()
-    shutil.copytree(tmp_path / "b", tmp_path / "x")  # the preempted Ray run, finished below by the local back end
-    main(_args(tiny_setup, tmp_path / "b", "--resume", *opts))
-    resumed = _losses(tmp_path / "b")
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    for step in range(1, 7):
-        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    # the preempted Ray run is also copied to x, finished below by the local back end
+    preempt_and_resume(main, tiny_setup, tmp_path / "b", full, *opts,
+                       between=lambda out: shutil.copytree(out, tmp_path / "x"))
     # the learning curve: held-out tau every --eval-every steps against supervised positions seen, which a resumed
     # run continues counting; the evaluation does not disturb training (the losses above match)
     curve_a = read_learning_curve(tmp_path / "a" / "metrics.jsonl")

@@ -5,6 +5,7 @@ stats the router reads, a closed stream aborts its request, and a bad request is
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 import torch
@@ -24,6 +25,11 @@ def loop():
     """One event loop for the module, as in a Serve replica (AsyncLLM's output handler lives on it)."""
     lp = asyncio.new_event_loop()
     yield lp
+    # the engine is shut down by now: let its output handler's task end on this loop before the loop closes
+    pending = [t for t in asyncio.all_tasks(lp) if not t.done()]
+    for t in pending:
+        t.cancel()
+    lp.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     lp.close()
 
 
@@ -36,6 +42,8 @@ def replica(target_dir, loop):
                            "engine_env": env, "model_name": "m", "max_batch": 4, "scheduler": "none"})
     yield r
     r.engine.shutdown()
+    r.engine = None  # AsyncLLM's own __del__ (another shutdown) runs now, not at interpreter exit
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -52,3 +52,21 @@ def losses_by_step(out: Path) -> dict[int, float]:
     """{step: loss} of a run's metrics.jsonl (a resumed run's rows for a step replace the earlier ones)."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
+
+
+def preempt_and_resume(main, root: Path, out: Path, full: dict[int, float], *opts: str, between=None) -> dict:
+    """A run stopped after step 3 (--stop-after), then ``between(out)`` if given, then --resume: its losses equal
+    the uninterrupted run's ``full`` step by step.  -> the resumed run's {step: loss}."""
+    import pytest
+
+    main(train_args(root, out, "--stop-after", "3", *opts))
+    assert sorted(losses_by_step(out)) == [1, 2, 3] and not (out / "drafter").exists()
+    if between is not None:
+        between(out)
+    main(train_args(root, out, "--resume", *opts))
+    resumed = losses_by_step(out)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    return resumed
+
