@@ -182,12 +182,7 @@ class StaticTargetForward:
         rslot = inputs[4 * NT:]
         kidx = torch.arange(Kb, device=inputs.device)
         masks = {w: attention_mask(kidx, qpos, w).unsqueeze(1) for w in {r._layer_window(ly, Kb) for ly in r.layers}}
-        cos = cos_t[pos].unsqueeze(1)  # [NT, 1, hd]
-        sin = sin_t[pos].unsqueeze(1)
-        aux_out = {}
-        x = r.embed[ids]  # [NT, d]
-        if 0 in aux_ids:
-            aux_out[0] = x
+        x, cos, sin, aux_out = r._embed_tokens(ids, pos, cos_t, sin_t, aux_ids)  # x [NT, d], cos / sin [NT, 1, hd]
         gqa = H != KVH
         for li, ly in enumerate(r.layers):
             q, k, v = r._qkv(ly, x, cos, sin)

@@ -530,14 +530,7 @@ class TargetRunner:
         s0 = slots[0]
 
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        eps = c.rms_norm_eps
-        cos = cos_t[pos_t].unsqueeze(1)  # [N, 1, hd]
-        sin = sin_t[pos_t].unsqueeze(1)
-        aux_out = {}
-
-        x = self.embed[ids_t]  # [N, d]
-        if 0 in aux_ids:
-            aux_out[0] = x
+        x, cos, sin, aux_out = self._embed_tokens(ids_t, pos_t, cos_t, sin_t, aux_ids)
         gqa = H != KVH
         for li, ly in enumerate(self.layers):
             q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2
@@ -590,6 +583,11 @@ class TargetRunner:
     def _layer_window(ly: _Layer, key_len: int):
         """The layer's sliding window, or None where it does not cut the keys [0, key_len)."""
         return None if (ly.window is None or key_len <= ly.window) else ly.window
+
+    def _embed_tokens(self, ids: torch.Tensor, pos: torch.Tensor, cos_t, sin_t, aux_ids):
+        """ids / pos [N] -> (x [N, d], cos / sin [N, 1, hd] at the positions, {0: x} when layer 0 is captured)."""
+        x = self.embed[ids]
+        return x, cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1), ({0: x} if 0 in aux_ids else {})
 
     def _qkv(self, ly: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [N, d] -> q [N, H, hd], k / v [N, KVH, hd] (q/k normed where the model has it, RoPE applied)."""
