@@ -1,9 +1,10 @@
 """Offline evaluation: acceptance length τ, per-position acceptance, confidence calibration and speed, for one or
 more drafters and the no-speculation baseline, measured side by side in one run (docs/dspark.md §6, §9).
 
-Every prompt is run by every system in turn (baseline(s), drafter A, drafter B, ...) as a single stream, so
-machine noise hits all systems alike; wall times are summed per system and speed is reported as a ratio to the
-FASTEST no-speculation configuration (fp32 and bf16 target both measured).  At temperature 0 every speculative
+Every prompt is run by every system in turn (baselines, vLLM's plain decoding, drafter A, drafter B, ...; the order
+reversed on every other prompt) as a single stream, so machine noise hits all systems alike; wall times are summed
+per system and speed is reported as a ratio to the FASTEST no-speculation system (this engine's fp32 and bf16
+target, and vLLM's).  At temperature 0 every speculative
 output must equal the baseline's token for token; mismatches are counted in results.json (they should be 0).
 """
 from __future__ import annotations

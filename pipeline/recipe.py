@@ -15,6 +15,7 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 from pipeline.prompts import read_prompt_files
@@ -31,6 +32,15 @@ class MixEntry:
     @property
     def stem(self) -> str:
         return self.path.stem
+
+    @cached_property
+    def lines(self) -> list[str]:
+        """The valid prompt lines of this source (as JSON rows {"turns": [text]}) in the fixed seeded order, cut to
+        its count; read once per entry."""
+        rows, _ = read_prompt_files([self.path])
+        lines = [json.dumps({"turns": [r.text]}, ensure_ascii=False) for r in rows]
+        random.Random(f"{MIX_SEED}:{self.stem}").shuffle(lines)
+        return lines[:self.count] if self.count is not None else lines
 
 
 def parse_mix(specs: list[str]) -> list[MixEntry]:
@@ -57,14 +67,6 @@ def parse_mix(specs: list[str]) -> list[MixEntry]:
     return out
 
 
-def shuffled_lines(entry: MixEntry) -> list[str]:
-    """The valid prompt lines of one source (as JSON rows {"turns": [text]}), in the fixed seeded order."""
-    rows, _ = read_prompt_files([entry.path])
-    lines = [json.dumps({"turns": [r.text]}, ensure_ascii=False) for r in rows]
-    random.Random(f"{MIX_SEED}:{entry.stem}").shuffle(lines)
-    return lines[:entry.count] if entry.count is not None else lines
-
-
 def write_mix(entries: list[MixEntry], folder: Path, fraction: float) -> list[Path]:
     """Write each source's first ceil(fraction x its count) shuffled prompts to folder/<stem>.jsonl (atomically;
     the prefix of a file never changes).  -> the files, in the mix's order."""
@@ -73,7 +75,7 @@ def write_mix(entries: list[MixEntry], folder: Path, fraction: float) -> list[Pa
     folder.mkdir(parents=True, exist_ok=True)
     files = []
     for e in entries:
-        lines = shuffled_lines(e)
+        lines = e.lines
         n = max(1, math.ceil(fraction * len(lines))) if lines else 0
         if n == 0:
             raise ValueError(f"--prompts {e.path}: no usable prompt in the file")
@@ -84,7 +86,7 @@ def write_mix(entries: list[MixEntry], folder: Path, fraction: float) -> list[Pa
 
 
 def mix_sizes(entries: list[MixEntry]) -> dict[str, int]:
-    return {e.stem: len(shuffled_lines(e)) for e in entries}
+    return {e.stem: len(e.lines) for e in entries}
 
 
 @dataclass
