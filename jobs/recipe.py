@@ -43,6 +43,10 @@ class RecipeConfig:
     min_steps: int = field(default=10, metadata={"help": "fewest training steps per drafter, whatever the budget"})
     train_args: str = field(default="", metadata={
         "help": "extra jobs.train flags for both drafters, e.g. \"--num-anchors 32 --markov-w1 embedding\""})
+    eval_args: str = field(default="", metadata={
+        "help": "extra jobs.evaluate flags, e.g. \"--baseline-dtypes float32:packed bfloat16 --spec-dtype bfloat16\""})
+    eval_heldout: bool = field(default=True, metadata={
+        "help": "also evaluate on the run's held-out prompts, one suite per source file (costs one suite each)"})
     split_generate: float = field(default=0.40, metadata={"help": "budget fraction of stage 1"})
     split_extract: float = field(default=0.07, metadata={"help": "budget fraction of stage 2"})
     split_train: float = field(default=0.28, metadata={"help": "budget fraction of training (both drafters)"})
@@ -191,11 +195,12 @@ def main(argv=None):
     ev = out / "eval"
     run_stage("evaluate", (ev / "results.json").is_file(),
               lambda: evaluate_main(["--drafter", f"dspark={drafters['dspark']}", "--drafter",
-                                     f"dflash={drafters['dflash']}", "--heldout-of", str(out / "train_dspark"),
+                                     f"dflash={drafters['dflash']}",
+                                     *(["--heldout-of", str(out / "train_dspark")] if cfg.eval_heldout else []),
                                      *(["--benchmarks", *map(str, cfg.benchmarks)] if cfg.benchmarks else []),
                                      "--limit", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_tokens),
                                      "--scheduler", "fixed", "--also-schedulers", "hardware", "--out", str(ev),
-                                     *tgt]))
+                                     *shlex.split(cfg.eval_args), *tgt]))
 
     # --- results ------------------------------------------------------------------------------------------------
     plot_learning_curves({k: out / f"train_{k}" / "metrics.jsonl" for k in drafters}, out / "learning_curves.png",
