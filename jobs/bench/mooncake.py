@@ -125,21 +125,29 @@ def run(args, harness) -> dict:
         warm_dst = {k: torch.empty_like(v) for k, v in sample.items()}
         bad: list[str] = []
 
+        def round_trip(writer, reader, key, value) -> tuple[float, float]:
+            """writer.put(key, value), then reader.get(key), checked bit-exact against the sample after the clock
+            stops -> (put seconds, get seconds)."""
+            t0 = time.perf_counter()
+            writer.put(key, value)
+            t1 = time.perf_counter()
+            got = reader.get(key)
+            t2 = time.perf_counter()
+            if not bit_equal(got, sample):
+                bad.append(f"{writer.prefix}/{key}")
+            return t1 - t0, t2 - t1
+
+        def forget(store, key):  # frees the object's segment memory for the next repetition
+            store._store.remove(store._key(key), True)
+            store._mine.pop(key, None)
+
         def put_get(writer, reader, key_of, remove=True):
             def case(rep):
                 key = key_of(rep)
-                t0 = time.perf_counter()
-                writer.put(key, sample)
-                t1 = time.perf_counter()
-                got = reader.get(key)
-                t2 = time.perf_counter()
-                if not bit_equal(got, sample):
-                    bad.append(f"{writer.prefix}/{key}")
-                del got
+                put_s, get_s = round_trip(writer, reader, key, sample)
                 if remove:
-                    writer._store.remove(writer._key(key), True)
-                    writer._mine.pop(key, None)
-                return {"put_s": t1 - t0, "get_s": t2 - t1, "s": t2 - t0}
+                    forget(writer, key)
+                return {"put_s": put_s, "get_s": get_s, "s": put_s + get_s}
             return case
 
         def batch_case(rep, in_place=False):
@@ -166,8 +174,7 @@ def run(args, harness) -> dict:
                 bad.append(f"batch r{rep}")
             del got
             for k, _ in items:
-                s._store.remove(s._key(k), True)
-                s._mine.pop(k, None)
+                forget(s, k)
             n = len(items)
             del items_put
             out = {"put_s": (t1 - t0) / n, "get_s": (t2 - t1) / n, "s": (t2 - t0) / n}
@@ -182,16 +189,10 @@ def run(args, harness) -> dict:
             for k, v in sample.items():
                 tensor_bytes_view(buf[k])[:] = tensor_bytes_view(v)
             t1 = time.perf_counter()
-            s.put(key, buf)
-            t2 = time.perf_counter()
-            got = s.get(key)
-            t3 = time.perf_counter()
-            if not bit_equal(got, sample):
-                bad.append(f"inplace {key}")
-            del got, buf
-            s._store.remove(s._key(key), True)
-            s._mine.pop(key, None)
-            return {"fill_s": t1 - t0, "put_s": t2 - t1, "get_s": t3 - t2, "s": t3 - t1}
+            put_s, get_s = round_trip(s, s, key, buf)
+            del buf
+            forget(s, key)
+            return {"fill_s": t1 - t0, "put_s": put_s, "get_s": get_s, "s": put_s + get_s}
 
         def memcpy(rep):
             t0 = time.perf_counter()
