@@ -5,6 +5,8 @@ One training loop (pipeline.trainer.Trainer), two back ends:
 * --backend ray (default): Ray Train's TorchTrainer runs it on --workers workers - CPU workers with a gloo
   all-reduce of the gradients, or with --gpus-per-worker G GPU workers (NCCL, bf16 autocast, each on its own
   device); the workers' extra resources follow the node roles of pipeline/placement.py (--worker-resources);
+  --fsdp shards the drafter's parameters, gradients and optimizer state over the workers instead of replicating
+  them (FSDP2, pipeline/fsdp_sharding.py: for drafters too large for one device; the same checkpoints);
 * --backend local: the same loop in this process, without Ray (one GPU or a laptop; --device); with --prompts it
   first generates the responses and extracts their hidden states in this process too (transformers).
 
@@ -24,6 +26,7 @@ import shutil
 import torch
 
 from pipeline.config_cli import parse_config
+from pipeline.fsdp_sharding import UNITS_SUMMARY
 from pipeline.launch_plan import print_plan
 from pipeline.local_stages import run_local_stages
 from pipeline.placement import TRAINING, parse_resources, planned_role_resources, role_resources
@@ -109,7 +112,7 @@ def fit_on_ray(cfg: TrainConfig, resume_from):
     p = write_plan(cfg)
     scaling = scaling_fields(cfg, role_resources(TRAINING, cfg.worker_resources, "worker-resources"))
     print(f"[train] {cfg.workers} worker(s), resources {scaling['resources_per_worker']}, "
-          f"{cfg.process_group_backend}")
+          f"{cfg.process_group_backend}, {data_parallel_plan(cfg)['strategy']}")
     run = run_fields(cfg)
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -164,12 +167,25 @@ def dry_run(cfg: TrainConfig) -> dict:
     bf16 = use_bf16_autocast(cfg, device_type)
     out["torch"] = dict(device=device, process_group=process_group, master_weights="float32",
                         autocast="bfloat16" if bf16 else None, threads_per_worker=cfg.cpus_per_worker)
+    out["data_parallel"] = data_parallel_plan(cfg) if cfg.backend == "ray" else None
     out["trainer"] = cfg.to_plan()
     out["data"] = data_summary(cfg)
     out["stages"] = None if not cfg.prompts or out["data"]["manifest"] != "absent" else dict(
         prompts=[str(p) for p in cfg.prompts], responses=str(cfg.out / "responses"), hidden_states=str(cfg.data),
         generator="transformers generate, greedy", extractor="hf", target_dtype=cfg.target_dtype)
     return out
+
+
+def data_parallel_plan(cfg: TrainConfig) -> dict:
+    """How the Ray Train workers share the drafter: replicated with one gradient all-reduce per step ("ddp"), or
+    sharded (--fsdp, "fsdp")."""
+    if cfg.fsdp:
+        return dict(strategy="fsdp", sharded="parameters, gradients, optimizer state (FSDP2 fully_shard)",
+                    units=UNITS_SUMMARY, gradients="reduce-scatter, summed over workers",
+                    checkpoint="full state dicts gathered to rank 0 (the same format as ddp)")
+    return dict(strategy="ddp", sharded=None, units=None,
+                gradients="one flat all-reduce per step, summed over workers",
+                checkpoint="rank 0's state dicts (parameters broadcast from rank 0 at start)")
 
 
 def data_summary(cfg: TrainConfig) -> dict:

@@ -13,7 +13,10 @@ fit() reads top to bottom: for each step: this rank's sequences (prefetched) -> 
 sequence against ONE global weight sum (Σw over all sequences of the step on all ranks, docs/dspark.md §5) ->
 backward -> all-reduce of the gradients (DDP-equivalent: one flat all-reduce per step) -> clip -> AdamW and
 warmup/cosine step -> log (rank 0; held-out tau every --eval-every steps) -> checkpoint; at the end rank 0 exports
-the drafter.  Resuming restores model + optimizer + scheduler + step + positions seen; the data order comes from
+the drafter.  With --fsdp the drafter is sharded over the workers instead (pipeline/fsdp_sharding.py): FSDP2
+gathers each unit's parameters for its forward/backward and reduce-scatters (sums) the gradients, so there is no
+separate all-reduce; every rank runs the held-out evaluation, the checkpoint's state gathering and the export's
+(collectives), rank 0 writes them, in the replicated run's format.  Resuming restores model + optimizer + scheduler + step + positions seen; the data order comes from
 (seed, epoch) and each step's random draws from (seed, rank, step), so the resumed losses equal the uninterrupted.
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ import torch.distributed as dist
 from pipeline.dspark.checkpoint import export_checkpoint
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.losses import LossConfig, TargetHead
+from pipeline.fsdp_sharding import (full_model_state, full_norm, full_state, load_full_state, parameter_elements,
+                                    shard_drafter)
 from pipeline.runtime import resolve_device
 from pipeline.target_weights import load_target_weights
 from pipeline.training import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, accumulate_gradients, append_metrics,
@@ -92,10 +97,18 @@ class Trainer:
         self.drafter_config = build_drafter_config(cfg, self.target, plan["layer_ids"],
                                                    len(plan["draft_ids"] or []) or None)
         self.model = DSparkDrafter.from_target(self.drafter_config, self.target, draft_ids=draft_ids).to(self.device)
-        self.params = self.model.trainable_parameters()
         if self.world > 1:
-            for p in self.params:
+            for p in self.model.trainable_parameters():
                 dist.broadcast(p.data, 0)
+        self.fsdp = cfg.fsdp
+        if self.fsdp:  # sharded from identical full weights
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("--fsdp shards the drafter over a torch.distributed process group, and this "
+                                   "worker has none (use --backend ray)")
+            shard_drafter(self.model, self.device)
+            held, total = parameter_elements(self.model)
+            self.say(f"FSDP: {total:,} parameter elements sharded over {self.world} worker(s), rank 0 holds {held:,}")
+        self.params = self.model.trainable_parameters()
         self.bf16 = use_bf16_autocast(cfg, self.device)
 
         # the loss and, for the distribution / confidence terms, the target's LM head over the draft vocabulary
@@ -138,8 +151,9 @@ class Trainer:
                         row = metrics_row(self.step, self.scheduler.get_last_lr()[0], result.grad_norm,
                                           positions_since, time.time() - t_last, result.supervised, result.parts,
                                           result.acc, self.positions_seen)
-                        if is_eval and self.rank == 0:
-                            row |= self.evaluate(store)
+                        if is_eval and (self.rank == 0 or self.fsdp):  # sharded: every rank takes part
+                            heldout = self.evaluate(store)
+                            row |= heldout if self.rank == 0 else {}
                         t_last, positions_since = time.time(), 0
                         self.log(row, result.parts)
                         self.report(row, checkpoint=is_ckpt)
@@ -148,7 +162,7 @@ class Trainer:
                                  "to finish")
                         break
             complete = self.step == total
-            if complete and self.rank == 0:
+            if complete and (self.rank == 0 or self.fsdp):
                 self.export()
             return complete
         finally:
@@ -180,11 +194,13 @@ class Trainer:
         parts, n_sup, acc = accumulate_gradients(
             self.model, self.target_head, samples, blocks, self.loss_cfg, denom, cfg.micro_batch, bf16=self.bf16,
             device=self.device, feature_noise=cfg.feature_noise,
-            noise_seed=step_seed(cfg.seed, self.rank, step, "noise:"))
+            noise_seed=step_seed(cfg.seed, self.rank, step, "noise:"),
+            min_chunks=self.max_chunks(blocks) if self.fsdp else 0)
         if self.world > 1:
-            self.all_reduce_gradients()
+            if not self.fsdp:  # FSDP reduce-scattered them already
+                self.all_reduce_gradients()
             n_sup = int(self.sum_over_ranks(torch.tensor([n_sup])))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         self.optimizer.step()
         self.scheduler.step()
         self.step = step + 1
@@ -212,6 +228,16 @@ class Trainer:
         t = t.to(self.device)
         dist.all_reduce(t)
         return t.cpu()
+
+    def max_chunks(self, blocks: list) -> int:
+        """The most micro-batches any rank runs this step: with --fsdp every rank must run as many forward/backward
+        passes (each gathers and reduce-scatters), so the others pad theirs (accumulate_gradients' min_chunks)."""
+        mine = -(-sum(b.num_supervised > 0 for b in blocks) // max(1, self.cfg.micro_batch))
+        if self.world == 1:
+            return mine
+        t = torch.tensor([mine], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def all_reduce_gradients(self) -> None:
         """Sum the gradients over all ranks in ONE flat all-reduce (a parameter without a gradient counts as 0)."""
@@ -261,29 +287,48 @@ class Trainer:
             self.hooks.report(row, None)
             return
         with tempfile.TemporaryDirectory() as d:
+            state = self.state_dict() if self.rank == 0 or self.fsdp else None  # sharded: gathered by all ranks
             if self.rank == 0:
-                torch.save(self.state_dict(), Path(d) / STATE_FILE)
+                torch.save(state, Path(d) / STATE_FILE)
             self.hooks.report(row, Path(d) if self.rank == 0 else None)
 
     def state_dict(self) -> dict:
         """Everything an exact resume needs (the target's frozen embedding / LM head are left out: the target has
-        them)."""
-        return {"model": {k: v for k, v in self.model.state_dict().items()
-                          if not k.startswith(("embed_tokens", "lm_head"))},
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step,
+        them).  With --fsdp the same full (unsharded) state, gathered to rank 0 (collective; the others get empty
+        model / optimizer entries)."""
+        if self.fsdp:
+            model, optimizer = full_state(self.model, self.optimizer)
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        return {"model": {k: v for k, v in model.items() if not k.startswith(("embed_tokens", "lm_head"))},
+                "optimizer": optimizer, "scheduler": self.scheduler.state_dict(), "step": self.step,
                 "positions_seen": self.positions_seen, "drafter_config": self.drafter_config.to_dict(),
                 "draft_ids": self.plan["draft_ids"]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        """A state_dict() of either kind of run (replicated or --fsdp: the same format)."""
+        if self.fsdp:
+            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"], strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.positions_seen = state.get("positions_seen", 0)
 
-    def export(self) -> Path:
-        """The trained drafter in the speculators / vLLM `method: dspark` format at <out>/drafter."""
-        path = export_checkpoint(self.model.cpu(), Path(self.cfg.out) / "drafter",
+    def export(self) -> Path | None:
+        """Rank 0: the trained drafter in the speculators / vLLM `method: dspark` format at <out>/drafter.  With
+        --fsdp every rank calls it: the full weights are gathered into a plain drafter on rank 0's CPU."""
+        model = self.model
+        if self.fsdp:
+            weights = full_model_state(self.model)
+            if self.rank != 0:
+                return None
+            draft_ids = self.plan["draft_ids"]
+            model = DSparkDrafter.from_target(self.drafter_config, self.target, draft_ids=None if draft_ids is None
+                                              else torch.tensor(draft_ids, dtype=torch.long))
+            model.load_state_dict(weights)
+        path = export_checkpoint(model.cpu(), Path(self.cfg.out) / "drafter",
                                  verifier_name_or_path=str(self.target))
         print(f"[train] exported drafter checkpoint to {path}", flush=True)
         return path

@@ -97,6 +97,9 @@ class TrainConfig:
                 "local: one process without Ray (one GPU or a laptop, --device); same checkpoints and resume",
         "choices": list(BACKENDS)})
     workers: int = field(default=1, metadata={"help": "Ray Train workers (DDP: gloo on CPU, NCCL on GPUs)"})
+    fsdp: bool = field(default=False, metadata={
+        "help": "shard parameters, gradients and optimizer state over the workers (FSDP2 fully_shard) instead of "
+                "replicating them; for drafters too large for one device (--backend ray; checkpoints as without it)"})
     cpus_per_worker: int = field(default=2, metadata={"help": "CPUs (torch threads) per worker"})
     gpus_per_worker: float = field(default=0.0, metadata={
         "help": "GPUs per Ray Train worker: 0 = CPU workers (gloo); > 0 = GPU workers (use_gpu, NCCL, each on "
@@ -146,6 +149,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.backend == "local" and self.workers != 1:
             raise ValueError(f"--backend local trains in one process: --workers must be 1, got {self.workers}")
+        if self.backend == "local" and self.fsdp:
+            raise ValueError("--fsdp shards the drafter over Ray Train workers' process group; --backend local trains "
+                             "in one process without one: drop --fsdp or use --backend ray")
         if self.backend == "local" and self.gpus_per_worker:
             raise ValueError("--gpus-per-worker places Ray Train workers; --backend local takes --device instead")
         if self.prompts and (self.backend != "local" or self.store != "disk"):
@@ -311,12 +317,13 @@ def noisy_features(aux: torch.Tensor, hidden_size: int, rel_std: float, gen: tor
 
 def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, loss_cfg, denom: float,
                          micro_batch: int = 1, bf16: bool = False, device=None, feature_noise: float = 0.0,
-                         noise_seed: int = 0):
+                         noise_seed: int = 0, min_chunks: int = 0):
     """Forward + backward of one optimizer step's sequences, `micro_batch` at a time (longest first, so padding
     stays small), every loss divided by the step's GLOBAL weight sum `denom`: the accumulated gradient is the
     same for any micro_batch.  feature_noise > 0: the injected features get noise (`noisy_features`) drawn from
-    `noise_seed`, so a resumed run draws the same.  -> (loss parts summed, supervised positions, per-position
-    accuracy · count)."""
+    `noise_seed`, so a resumed run draws the same.  min_chunks: run at least that many forward/backward passes,
+    the extra ones repeating the last micro-batch with weight 0 (a sharded model's passes are collectives: every
+    rank runs as many).  -> (loss parts summed, supervised positions, per-position accuracy · count)."""
     need_target = target_head is not None
     todo = [(s, b) for s, b in zip(samples, blocks) if b.num_supervised > 0]
     todo.sort(key=lambda sb: -int(sb[0]["input_ids"].shape[0]))
@@ -327,12 +334,22 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
         gen = torch.Generator().manual_seed(noise_seed)
         todo = [(s | {"aux_hidden": noisy_features(s["aux_hidden"], model.cfg.hidden_size, feature_noise, gen)}, b)
                 for s, b in todo]
-    for i in range(0, len(todo), max(1, micro_batch)):
+    starts = list(range(0, len(todo), max(1, micro_batch)))
+    real = len(starts)
+    if real < min_chunks:
+        if not starts:
+            raise RuntimeError("accumulate_gradients: no sequence of this rank has a supervised block, so it cannot "
+                               f"take part in the {min_chunks} sharded forward/backward passes of this step")
+        starts += [starts[-1]] * (min_chunks - real)
+    for j, i in enumerate(starts):
         chunk = todo[i:i + max(1, micro_batch)]
         x = collate([s for s, _ in chunk], [b for _, b in chunk], need_target, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
             out = drafter_loss(model, target_head, x["aux"], x["ids"], x["last"], x["blocks"], loss_cfg,
                                denom=denom, target_stats=None if x["lse"] is None else (x["lse"], None))
+        if j >= real:  # a padding pass: gradients += 0
+            (out.loss * 0.0).backward()
+            continue
         out.loss.backward()
         parts["loss"] += float(out.loss.detach())
         for k, v in out.parts.items():
