@@ -171,24 +171,22 @@ def test_corrupt_and_incomplete_checkpoints(tmp_path, target):
 
     src = export_checkpoint(make_drafter(target, 200), tmp_path / "c")
     t = load_file(str(src / "model.safetensors"))
-    t2 = dict(t)
-    del t2["layers.1.mlp.down_proj.weight"]
-    save_file(t2, str(src / "model.safetensors"))
+
+    def save_changed(drop=(), replace=None):  # the exported tensors with some left out or replaced
+        t2 = {k: v for k, v in t.items() if k not in drop}
+        t2.update(replace or {})
+        save_file(t2, str(src / "model.safetensors"))
+
+    save_changed(drop=["layers.1.mlp.down_proj.weight"])
     with pytest.raises(CheckpointError, match="missing: \\['layers.1.mlp.down_proj.weight'\\]"):
         load_drafter(src, target)
-    t2 = dict(t)
-    t2["fc.weight"] = torch.zeros(D, 2 * D, dtype=torch.bfloat16)
-    save_file(t2, str(src / "model.safetensors"))
+    save_changed(replace={"fc.weight": torch.zeros(D, 2 * D, dtype=torch.bfloat16)})
     with pytest.raises(CheckpointError, match="wrong shape.*fc.weight"):
         load_drafter(src, target)
-    t2 = dict(t)
-    del t2["d2t"]
-    save_file(t2, str(src / "model.safetensors"))
+    save_changed(drop=["d2t"])
     with pytest.raises(CheckpointError, match="d2t"):
         load_drafter(src, target)
-    t2 = dict(t)
-    t2["markov_head.gate_proj.weight"] = torch.zeros(1)
-    save_file(t2, str(src / "model.safetensors"))
+    save_changed(replace={"markov_head.gate_proj.weight": torch.zeros(1)})
     with pytest.raises(CheckpointError, match="unexpected"):
         load_drafter(src, target)
 
