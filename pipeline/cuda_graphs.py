@@ -277,23 +277,8 @@ class StaticDraftProposer:
         """The drafting round on B_b rows with L_b context slots -> (h [B_b, γ, d], U [B_b, γ, V_d] fp32, the greedy
         Markov loop's (predecessors, tokens, draft indices, q, g) or None)."""
         d = self.drafter
-        G = d.cfg.block_size
-        dev, dt = inputs.device, d.fc.weight.dtype
         anchors, plen, clen = inputs[:Bb], inputs[Bb:2 * Bb], inputs[2 * Bb:]
-        ctx_mask = torch.arange(Lb, device=dev) < clen[:, None]  # [B_b, L_b]
-        x = d._block_embeddings(anchors).to(dt)  # [B_b, γ, d]
-        cos, sin = d.rotary(plen[:, None] + torch.arange(G, device=dev), dt)
-        mask = torch.cat([ctx_mask[:, None, :].expand(Bb, G, Lb),
-                          torch.ones(Bb, G, G, dtype=torch.bool, device=dev)], dim=2)[:, None]  # [B_b,1,γ,L_b+γ]
-        for i, layer in enumerate(d.layers):
-            kc, vc = kv[i, 0], kv[i, 1]
-
-            def attend(q, kb, vb, kc=kc, vc=vc):
-                return F.scaled_dot_product_attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2),
-                                                      attn_mask=mask, enable_gqa=q.shape[1] != kc.shape[1])
-
-            x = layer(x, cos, sin, attend)
-        h = d.norm(x)
-        U = d.lm_head(h).float()
+        ctx_mask = torch.arange(Lb, device=inputs.device) < clen[:, None]  # [B_b, L_b]
+        h, U = d._block_forward(anchors, plen, kv, ctx_mask)
         loop = d._sequential_loop(anchors, h, U, GREEDY, None, None) if greedy else None
         return h, U, loop

@@ -429,28 +429,14 @@ class DSparkDrafter(nn.Module):
         confidence logits on the sampled predecessors.  `forced_tokens` [B, γ] (target ids) replaces sampling
         (teacher forcing: tests / evaluation); q is still reported.
         """
-        cfg, G = self.cfg, self.cfg.block_size
-        dev, dt = self.fc.weight.device, self.fc.weight.dtype
+        cfg, dev = self.cfg, self.fc.weight.device
         B = len(states)
         anchors = torch.as_tensor(anchors, dtype=torch.long, device=dev).view(B)
         plen = torch.tensor([st.length for st in states], device=dev)
         # record_function labels: the parts of a drafting round in a profile (jobs.bench draft_budget)
         with record_function("draft.block_forward"):
             kv, ctx_mask = self._gather_context(states)
-            L = ctx_mask.shape[1]
-            x = self._block_embeddings(anchors).to(dt)  # [B,γ,d]
-            cos, sin = self.rotary(plen[:, None] + torch.arange(G, device=dev), dt)
-            mask = torch.cat([ctx_mask[:, None, :].expand(B, G, L),
-                              torch.ones(B, G, G, dtype=torch.bool, device=dev)], dim=2)[:, None]  # [B,1,γ,L+γ]
-            for i, layer in enumerate(self.layers):
-                kc, vc = kv[i, 0], kv[i, 1]
-
-                def attend(q, kb, vb, kc=kc, vc=vc):
-                    return _sdpa(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
-
-                x = layer(x, cos, sin, attend)
-            h = self.norm(x)  # [B,γ,d]
-            U = self.lm_head(h).float()  # [B,γ,V_d]
+            h, U = self._block_forward(anchors, plen, kv, ctx_mask)
         with record_function("draft.sequential_loop"):
             prev_all, toks, idxs, qs, gs = self._sequential_loop(anchors, h, U, params, generator, forced_tokens)
         conf = None
@@ -460,6 +446,28 @@ class DSparkDrafter(nn.Module):
                 conf = apply_sts(self.confidence_head(h, e), cfg.sts_temperatures)
         return DraftProposal(tokens=toks, q=qs, conf_logits=conf, draft_ids=self.draft_ids, logits=gs,
                              draft_index=idxs)
+
+    def _block_forward(self, anchors: torch.Tensor, plen: torch.Tensor, kv: torch.Tensor, ctx_mask: torch.Tensor):
+        """The backbone on [anchor, mask×(γ-1)] of B rows, each attending to its cached context and its own block.
+
+        anchors [B] target ids at positions plen [B]; kv [layers,2,B,K,L,h] and ctx_mask [B,L] bool (True = a
+        context slot to attend to), as ``_gather_context`` lays them out -> h [B,γ,d], U [B,γ,V_d] fp32."""
+        G = self.cfg.block_size
+        dev, dt = self.fc.weight.device, self.fc.weight.dtype
+        B, L = ctx_mask.shape
+        x = self._block_embeddings(anchors).to(dt)  # [B,γ,d]
+        cos, sin = self.rotary(plen[:, None] + torch.arange(G, device=dev), dt)
+        mask = torch.cat([ctx_mask[:, None, :].expand(B, G, L),
+                          torch.ones(B, G, G, dtype=torch.bool, device=dev)], dim=2)[:, None]  # [B,1,γ,L+γ]
+        for i, layer in enumerate(self.layers):
+            kc, vc = kv[i, 0], kv[i, 1]
+
+            def attend(q, kb, vb, kc=kc, vc=vc):
+                return _sdpa(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), mask)
+
+            x = layer(x, cos, sin, attend)
+        h = self.norm(x)  # [B,γ,d]
+        return h, self.lm_head(h).float()  # U [B,γ,V_d]
 
     def _sequential_loop(self, anchors, h, U, params, generator, forced_tokens):
         """The Markov / RNN loop over the block: g_k = U_k + bias(x_{k-1}), q_k, x_k ~ q_k (or forced).
