@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipeline.stores.mooncake import (ENV_MASTER_ADDR, ENV_METADATA_URL, ENV_SEGMENT_NAME, ENV_SEGMENT_SERVER,
-                                      SEGMENT_SERVER_KEY)
+                                      SEGMENT_SERVER_KEY, split_host_port, tcp_reachable)
 from pipeline.runtime import LOOPBACK, apply_env, work_dir
 
 MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments
@@ -169,21 +169,6 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def tcp_reachable(host: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _split_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expected host:port, got {addr!r}")
-    return host, int(port)
 
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
@@ -442,7 +427,7 @@ class MooncakeMaster:
             code, _ = _http_get(ep.metadata_url + "?key=__probe__", timeout=1.0)  # 404 = serving
         except (OSError, ValueError):
             return False
-        return code in (200, 404) and tcp_reachable(*_split_addr(ep.master_addr), timeout=1.0)
+        return code in (200, 404) and tcp_reachable(*split_host_port(ep.master_addr), timeout=1.0)
 
     def _advertise(self, server: SegmentServer) -> None:
         """Publish the first segment server at the metadata server, so that stores opened with only the master's
@@ -534,7 +519,7 @@ class MooncakeMaster:
                 ) -> MooncakeEndpoint:
         """Check that a master runs at these addresses and return its endpoint (nothing is started)."""
         ep = MooncakeEndpoint(master_addr, metadata_url, metrics_url, segment_server, segment_name)
-        host, port = _split_addr(master_addr)
+        host, port = split_host_port(master_addr)
         if not allow_non_loopback and host not in (LOOPBACK, "localhost"):
             raise MooncakeLaunchError(f"master {master_addr} is not on loopback (this project keeps all traffic on "
                                       f"{LOOPBACK}; pass allow_non_loopback=True to override)")

@@ -120,19 +120,28 @@ def discover_segment_server(metadata_url: str, timeout: float = 2.0) -> tuple[st
         return "", ""
 
 
-def _reachable(addr: str, timeout: float = 1.0) -> bool:
+def tcp_reachable(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether a TCP connection to host:port opens within ``timeout`` seconds."""
     try:
-        with socket.create_connection(_split(addr), timeout=timeout):
+        with socket.create_connection((host, port), timeout=timeout):
             return True
-    except (OSError, StoreError):
+    except OSError:
         return False
 
 
-def _split(addr: str) -> tuple[str, int]:
+def split_host_port(addr: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); StoreError names a malformed address."""
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise StoreError(f"expected host:port, got {addr!r}")
     return host, int(port)
+
+
+def _reachable(addr: str, timeout: float = 1.0) -> bool:
+    try:
+        return tcp_reachable(*split_host_port(addr), timeout=timeout)
+    except StoreError:
+        return False
 
 
 def tensor_bytes_view(t: torch.Tensor) -> np.ndarray:
@@ -314,7 +323,7 @@ class MooncakeHiddenStore(HiddenStateStore):
             self._cfg.preferred_segment = self.segment_name
 
     def _check_reachable(self, what: str, addr: str, timeout: float):
-        host, port = _split(addr)
+        host, port = split_host_port(addr)
         deadline = time.monotonic() + timeout
         while True:
             try:
