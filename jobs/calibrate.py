@@ -6,7 +6,7 @@ product), stores them in the checkpoint, and writes calibration.json (ECE / AUC 
 after) and reliability.png."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env, reexec_for_process_env
+from pipeline.runtime import apply_env, run_job_main
 
 
 def main(argv=None):
@@ -27,5 +27,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)

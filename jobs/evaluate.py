@@ -6,7 +6,7 @@ by side on the same prompts in one run; every speedup is against the fastest of 
 Writes results.json (per benchmark and overall), acceptance_by_position.png and reliability.png to --out."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env, reexec_for_process_env
+from pipeline.runtime import apply_env, run_job_main
 
 
 def main(argv=None):
@@ -27,5 +27,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)

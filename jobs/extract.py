@@ -13,7 +13,7 @@ from __future__ import annotations
 from actors.extraction import ExtractConfig, extraction_plan, run_extraction
 from pipeline.config_cli import parse_config
 from pipeline.launch_plan import PlanError, print_plan
-from pipeline.runtime import apply_env, reexec_for_process_env
+from pipeline.runtime import apply_env, run_job_main
 from pipeline.target_model import resolve_target
 
 
@@ -47,5 +47,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)

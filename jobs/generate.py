@@ -12,7 +12,7 @@ from __future__ import annotations
 from actors.generation import GenerateConfig, generation_plan, run_generation
 from pipeline.config_cli import parse_config
 from pipeline.launch_plan import print_plan
-from pipeline.runtime import apply_env, reexec_for_process_env
+from pipeline.runtime import apply_env, run_job_main
 from pipeline.target_model import resolve_target
 
 
@@ -27,5 +27,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.recipe import BudgetSplit, mix_sizes, parse_mix, responses_that_fit, steps_that_fit, write_mix
-from pipeline.runtime import apply_env, reexec_for_process_env
+from pipeline.runtime import apply_env, run_job_main
 from pipeline.shards import atomic_write_json
 
 
@@ -233,5 +233,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)

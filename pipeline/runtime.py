@@ -122,6 +122,13 @@ def reexec_for_process_env() -> None:
     os.execv(sys.executable, list(sys.orig_argv))
 
 
+def run_job_main(main) -> None:
+    """The ``if __name__ == "__main__":`` block of a job: ``reexec_for_process_env()`` (the start-only settings,
+    malloc tunables, for this process too), then ``main()`` with the command line."""
+    reexec_for_process_env()
+    main()
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = False,
              resources: dict | None = None, **kwargs):
     """Start (or connect to) Ray with loopback settings.
