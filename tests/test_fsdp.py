@@ -11,7 +11,11 @@ import torch
 
 from jobs.train import main
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.training import STATE_FILE
+from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.dspark.losses import LossConfig, TargetHead
+from pipeline.stores import DiskHiddenStore
+from pipeline.target_weights import load_target_weights
+from pipeline.training import STATE_FILE, TrainConfig, accumulate_gradients, build_drafter_config, step_blocks
 from tiny_training import build_tiny_training_set, preempt_and_resume, train_args
 
 TWO_WORKERS = ("--workers", "2", "--markov-w1", "embedding", "--feature-noise", "0.1")
@@ -83,6 +87,34 @@ def test_fsdp_matches_ddp_resumes_and_exports(ray_session, tiny_setup, tmp_path,
     assert list(d.state_dict()) == list(ref.state_dict())
     for (name, p), q in zip(d.state_dict().items(), ref.state_dict().values()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), name
+
+
+def test_padding_passes_add_nothing(tiny_setup):
+    """accumulate_gradients' min_chunks (with --fsdp every rank runs as many forward/backward passes as the busiest
+    one): the extra zero-weight passes leave the loss parts and gradients exactly as they were; a rank without any
+    supervised sequence cannot pad and says so."""
+    cfg = TrainConfig(markov_rank=16)
+    drafter = DSparkDrafter.from_target(build_drafter_config(cfg, tiny_setup / "target", [1, 2, 4], None),
+                                        tiny_setup / "target")
+    head = TargetHead(load_target_weights(tiny_setup / "target").lm_head, drafter.draft_ids)
+    store = DiskHiddenStore(tiny_setup / "hidden")
+    samples = [store.get(f"s{i}") for i in range(3)]
+    loss_cfg = LossConfig()
+    blocks, wsum = step_blocks(samples, 8, cfg.block_size, loss_cfg.decay, 0, 0, 0)
+    results = []
+    for min_chunks in (0, 5):  # 2 real micro-batches of 2, then 3 padding passes
+        drafter.zero_grad(set_to_none=True)
+        parts, n_sup, acc = accumulate_gradients(drafter, head, samples, blocks, loss_cfg, wsum, micro_batch=2,
+                                                 min_chunks=min_chunks)
+        results.append((parts, n_sup, acc, {n: p.grad.clone() for n, p in drafter.named_parameters()
+                                            if p.grad is not None}))
+    (p0, n0, a0, g0), (p1, n1, a1, g1) = results
+    assert p1 == p0 and n1 == n0 > 0 and torch.equal(a1, a0) and list(g1) == list(g0) and g0
+    assert all(torch.equal(g1[k], g0[k]) for k in g0)
+    unsupervised = [s | {"loss_mask": torch.zeros_like(s["loss_mask"])} for s in samples[:1]]
+    none, _ = step_blocks(unsupervised, 8, cfg.block_size, loss_cfg.decay, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="no sequence of this rank has a supervised block"):
+        accumulate_gradients(drafter, head, unsupervised, none, loss_cfg, 1.0, micro_batch=2, min_chunks=1)
 
 
 def test_fsdp_with_the_local_backend_is_rejected(tmp_path, capsys):
