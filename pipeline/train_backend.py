@@ -4,6 +4,8 @@ all-reduce's listeners on loopback.
 ``train_loop_per_worker(plan)`` builds pipeline.trainer.Trainer with Ray's hooks: rank and world size from the Train
 context, the device from ``ray.train.torch.get_device()`` on GPU workers, the checkpoint to resume from (Ray Train's
 own after a worker-group restart, else jobs.train's --resume), checkpoints and metrics through ``ray.train.report``.
+With --fsdp the same process group carries FSDP2's all-gathers and reduce-scatters instead of the gradient
+all-reduce (pipeline/fsdp_sharding.py).
 
 Ray Train's stock ``TorchConfig`` lets ``torch.distributed`` rendezvous through a TCPStore that rank 0 starts, and
 that server listens on every interface (``*:port``; PyTorch has no bind-address option).  Traffic still goes to
