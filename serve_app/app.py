@@ -45,6 +45,7 @@ ROUTER_CLASS = "serve_app.router.LoadAwareRouter"
 # the ingress deployment as build_app binds it (one replica; it holds no model, so it reserves no CPU)
 INGRESS_OPTIONS = {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "max_ongoing_requests": 1024,
                    "ray_actor_options": {"num_cpus": 0}}
+CPU_KV_CACHE_GB = 1  # --vllm-device cpu: VLLM_CPU_KVCACHE_SPACE of a replica
 VLLM_DTYPE = "bfloat16"  # --dtype auto on the vLLM engine (GPU)
 NATIVE_DTYPE = "float32"  # --dtype auto on the native engine (float32 = float32:hybrid on CPU)
 
@@ -85,6 +86,10 @@ class ServeConfig:
     engine: str = field(default="native", metadata={"help": "native (this project's engine) | vllm (GPU: vLLM with "
                                                              "speculative_config method=dspark)",
                                                      "choices": list(ENGINES)})
+    vllm_device: str = field(default="cuda", metadata={
+        "help": "engine=vllm: cuda (--tensor-parallel-size GPUs per replica) | cpu (the vllm-cpu build, plain "
+                "decoding only: vLLM's dspark method needs its GPU model runner; the baseline a CPU user would run)",
+        "choices": ["cuda", "cpu"]})
     model_name: str | None = field(default=None, metadata={"help": "model id served on /v1/models (default: the "
                                                                     "target folder name)"})
     app_name: str = field(default="dspark", metadata={"help": "Serve application name"})
@@ -136,6 +141,14 @@ class ServeConfig:
         if self.engine == "native" and self.tensor_parallel_size != 1:
             raise PlanError(f"--tensor-parallel-size {self.tensor_parallel_size} needs --engine vllm (the native "
                             "engine runs on one device)")
+        if self.vllm_device not in ("cuda", "cpu"):
+            raise PlanError(f"--vllm-device must be cuda or cpu, got {self.vllm_device!r}")
+        if self.engine == "vllm" and self.vllm_device == "cpu" and self.speculative():
+            raise PlanError("--vllm-device cpu runs vLLM's plain decoding only (its dspark method needs the GPU model "
+                            "runner): leave out --drafter, or serve the speculator with --engine native")
+        if self.engine == "vllm" and self.vllm_device == "cpu" and self.tensor_parallel_size != 1:
+            raise PlanError(f"--tensor-parallel-size {self.tensor_parallel_size} shards over GPUs; --vllm-device cpu "
+                            "runs one engine per replica")
         self.layout()  # PlanError naming --tensor-parallel-size / --gpu-memory-utilization
         if self.engine == "vllm" and ":" in str(self.dtype):
             raise PlanError(f"--dtype {self.dtype}: the ':<linear back end>' suffix is the native CPU engine's; "
@@ -154,12 +167,13 @@ class ServeConfig:
 
     def gpus_per_replica(self) -> float:
         if self.engine == "vllm":
-            return float(self.tensor_parallel_size)
+            return self.layout().gpus
         return 1.0 if self.gpu else 0.0
 
     def layout(self) -> EngineLayout:
         """The vLLM engine layout of one replica (engine=vllm; validated, PlanError names the flag)."""
-        return EngineLayout(gpus=float(self.tensor_parallel_size), tensor_parallel_size=self.tensor_parallel_size,
+        gpus = 0.0 if self.vllm_device == "cpu" else float(self.tensor_parallel_size)
+        return EngineLayout(gpus=gpus, tensor_parallel_size=self.tensor_parallel_size,
                             gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_batch,
                             gpus_flag="--tensor-parallel-size").validate()
 
@@ -233,7 +247,10 @@ def vllm_engine_config(cfg: ServeConfig, target: str | None = None) -> dict:
 
 def vllm_engine_environment(cfg: ServeConfig) -> dict:
     """Environment of a vLLM replica: the CUDA platform; AsyncLLM runs its engine core in its own process."""
-    env = vllm_engine_env(cfg.layout())
+    layout = cfg.layout()
+    # CPU engine: the KV cache lives in host memory; CPU_KV_CACHE_GB covers max_batch full-length sequences
+    # of the SmolLM2 target (~23 KB per token) with room to spare
+    env = vllm_engine_env(layout, cpu_kv_cache_gb=CPU_KV_CACHE_GB if layout.device == "cpu" else None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return env
 
@@ -342,7 +359,7 @@ def serve_plan(cfg: ServeConfig) -> dict:
     eng_dep = engine_deployment_options(cfg)
     if cfg.engine == "vllm":
         opts = vllm_replica_options(cfg, target)
-        engine = {"backend": "vllm", "device": "cuda", "replica_class": "serve_app.vllm_replica.VLLMEngineReplica",
+        engine = {"backend": "vllm", "device": cfg.layout().device, "replica_class": "serve_app.vllm_replica.VLLMEngineReplica",
                   "kwargs": opts["engine_kwargs"], "env": opts["engine_env"],
                   "depth_control": ("vLLM adaptive verification (per-step draft budget from confidences and "
                                     "profiled step costs)" if opts["engine_kwargs"].get("speculative_config", {})

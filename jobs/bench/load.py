@@ -1,5 +1,5 @@
 """Bounded loopback load test of the Serve application (serve_app): for each system -- no speculation, fixed depth γ,
-load-aware scheduler -- deploy it locally, then at each concurrency level run a fixed number of streamed chat
+load-aware scheduler, and vLLM's own plain decoding behind the same API (--vllm-baselines) -- deploy it locally, then at each concurrency level run a fixed number of streamed chat
 requests and report output tokens/s, per-user tokens/s, median TTFT and the mean verified depth.  Prints one table
 and writes results.json + load_test.png (throughput and mean verified depth vs concurrency) to --out.
 
@@ -51,6 +51,10 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default=None, help="target HF folder (default: the prepared SmolLM2)")
     p.add_argument("--systems", nargs="+", default=["none", "fixed", "hardware"],
                    choices=["none", "fixed", "hardware", "async"], help="schedulers to compare")
+    p.add_argument("--vllm-baselines", nargs="+", default=["bfloat16"], metavar="DTYPE",
+                   help="precisions of vLLM's own plain decoding (jobs.serve --engine vllm, no drafter) deployed as "
+                        "further no-speculation systems vllm-<dtype>; every ratio is against the fastest "
+                        "no-speculation system at that concurrency; 'none' = leave vLLM out")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     p.add_argument("--requests-per-level", type=int, default=None,
                    help="requests per concurrency level (default: max(4, 2 x concurrency))")
@@ -281,20 +285,31 @@ def run(args, harness) -> dict:
         raise SystemExit("--soak with a speculative system needs --drafter")
     if len(systems) < len(args.systems) and not args.soak:
         print("no --drafter: only the no-speculation system runs", flush=True)
+    vllm_dtypes = [] if args.soak or args.vllm_baselines == ["none"] else list(args.vllm_baselines)
+    if "none" in vllm_dtypes:
+        raise SystemExit("--vllm-baselines: 'none' cannot be combined with precisions")
+    for dt in vllm_dtypes:
+        if dt not in ("bfloat16", "float32"):
+            raise SystemExit(f"--vllm-baselines: unknown precision {dt!r} (bfloat16 or float32)")
+    # label -> the ServeConfig fields of its application
+    deployments = {LABELS[s]: dict(drafter=drafter if s != "none" else None, scheduler=s, dtype=args.dtype)
+                   for s in systems}
+    vllm_device = "cuda" if torch.cuda.is_available() else "cpu"
+    deployments |= {f"vllm-{dt}": dict(engine="vllm", vllm_device=vllm_device, drafter=None, scheduler="none", dtype=dt)
+                    for dt in vllm_dtypes}
+    baselines = [label for label, d in deployments.items() if d["scheduler"] == "none"]
 
     # the systems' replicas live side by side but only one works at a time: logical CPUs for all of them
-    init_ray(num_cpus=max(os.cpu_count() or 1, 2) * len(systems))
+    init_ray(num_cpus=max(os.cpu_count() or 1, 2) * len(deployments))
     from ray import serve
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     base = f"http://127.0.0.1:{args.port}"
-    raw: dict = {LABELS[s]: {} for s in systems}
+    raw: dict = {label: {} for label in deployments}
     skipped = []
     levels = list(args.concurrency)
 
-    def level_case(system):
-        label = LABELS[system]
-
+    def level_case(label):
         def one_level(rep):  # harness repetition rep = (repetition, level) pairs, levels varying fastest
             r, c = rep // len(levels), levels[rep % len(levels)]
             if time.time() > deadline:
@@ -311,11 +326,9 @@ def run(args, harness) -> dict:
         return one_level
 
     try:
-        for system in systems:  # side by side: one application per system
-            label = LABELS[system]
-            cfg = ServeConfig(drafter=drafter if system != "none" else None, target=target, replicas=args.replicas,
-                              port=args.port, scheduler=system, gamma=args.gamma, dtype=args.dtype,
-                              max_batch=args.max_batch, threads=args.threads, model_name="m")
+        for label, fields in deployments.items():  # side by side: one application per system
+            cfg = ServeConfig(target=target, replicas=args.replicas, port=args.port, gamma=args.gamma,
+                              max_batch=args.max_batch, threads=args.threads, model_name="m", **fields)
             t0 = time.time()
             serve.run(build_app(cfg), name=label, route_prefix=f"/{label}", blocking=False)
             asyncio.run(run_level(f"{base}/{label}/v1", "m", 1, 1, args, deadline))  # warm-up
@@ -332,7 +345,8 @@ def run(args, harness) -> dict:
             return {"soak": res}
         # the order of the systems alternates (A B, B A, ...) so that whatever a run leaves behind (the previous
         # system's tail work, GC, log flushing) does not always land on the same system
-        harness.interleave({LABELS[s]: level_case(s) for s in systems}, args.reps * len(levels), label="levels")
+        harness.interleave({label: level_case(label) for label in deployments}, args.reps * len(levels),
+                           label="levels")
     finally:
         serve.shutdown()
 
@@ -344,21 +358,32 @@ def run(args, harness) -> dict:
                             **{k: med(lvs, k) for k in ("output_tok_s", "per_user_tok_s", "median_ttft_s",
                                                         "mean_verified_depth", "acceptance_length")})
                        for c, lvs in sorted(by_c.items())] for label, by_c in raw.items()}
-    ref = {lv["concurrency"]: lv["output_tok_s"] for lv in results.get("no-spec", [])}
+    # the reference at each concurrency: the FASTEST no-speculation system there (ours or vLLM's)
+    ref: dict[int, tuple[float, str]] = {}
+    for label in baselines:
+        for lv in results.get(label, []):
+            ref[lv["concurrency"]] = max(ref.get(lv["concurrency"], (0.0, "")), (lv["output_tok_s"], label))
+    for label, lvs in results.items():
+        for lv in lvs:
+            best = ref.get(lv["concurrency"])
+            lv["fastest_no_spec"] = best[1] if best else None
+            lv["vs_fastest_no_spec"] = lv["output_tok_s"] / best[0] if best and best[0] else None
     rows = []
     for label, lvs in results.items():
         for lv in lvs:
-            r = lv["output_tok_s"] / ref[lv["concurrency"]] if ref.get(lv["concurrency"]) else float("nan")
+            r = lv["vs_fastest_no_spec"]
             rows.append([label, lv["concurrency"], f"{lv['output_tok_s']:.1f}", f"{lv['per_user_tok_s']:.2f}",
                          f"{lv['median_ttft_s'] or 0:.3f}", f"{lv['mean_verified_depth']:.2f}",
-                         f"{lv['acceptance_length']:.2f}", f"{r:.2f}"])
+                         f"{lv['acceptance_length']:.2f}", f"{r:.2f}" if r is not None else "n/a",
+                         lv["fastest_no_spec"] or "n/a"])
     harness.table("load test (medians over the repetitions)",
-                  ["system", "users", "tok/s", "tok/s/user", "TTFT med", "depth", "tau", "vs no-spec"], rows)
+                  ["system", "users", "tok/s", "tok/s/user", "TTFT med", "depth", "tau", "vs fastest no-spec",
+                   "fastest no-spec"], rows)
     if skipped:
         print(f"skipped (time budget): {skipped}")
     if results:
         plot(results, out / "load_test.png")
         print(f"plot: {out / 'load_test.png'}")
-    meta = {"drafter": drafter, "target": target, "elapsed_s": time.time() - t_start, "skipped": skipped}
+    meta = {"drafter": drafter, "target": target, "no_spec_systems": baselines, "elapsed_s": time.time() - t_start, "skipped": skipped}
     return {"meta": meta, "results": results,
             "raw": {label: {str(c): lvs for c, lvs in by_c.items()} for label, by_c in raw.items()}}
