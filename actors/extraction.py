@@ -22,6 +22,8 @@ from tqdm import tqdm
 
 from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_llm, engine_actor_plan, engine_config,
                                 engine_dtype)
+from pipeline.config_fields import (actor_resources_field, actor_threads_field, engine_dtype_field, ray_address_field,
+                                    target_field)
 from pipeline.hf_extractor import HFExtractor
 from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, MOONCAKE_PROTOCOLS,
                                   TP_HELP, EngineLayout, PlanError, actor_pool_plan, check_count, check_non_negative,
@@ -54,28 +56,24 @@ class ExtractConfig:
     mooncake_prefix: str = field(default="dspark/hidden", metadata={"help": "key prefix of this data set in Mooncake"})
     mooncake_segment: str = field(default="4G", metadata={
         "help": "memory the job's own Mooncake segment server holds (when the job starts the master)"})
-    target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
+    target: str | None = target_field()
     layer_ids: str | None = field(default=None, metadata={
         "help": "comma-separated target layer ids (vLLM convention, 0=embeddings, L=last layer before the norm); "
                 "default: DFlash rule with 3 layers"})
     extractor: str = field(default="vllm", metadata={"help": "extractor", "choices": ["vllm", "hf"]})
     max_model_len: int = field(default=2048, metadata={"help": "longest sample in tokens (longer ones are skipped)"})
-    dtype: str = field(default="auto", metadata={
-        "help": "engine compute precision; auto = bf16 on GPU / CPUs with native bf16, else fp32 (5x faster here)",
-        "choices": ["auto", "float32", "bfloat16", "float16"]})
+    dtype: str = engine_dtype_field()
     target_lse: bool = field(default=True, metadata={
         "help": "also store the full-vocabulary logsumexp per token (4 bytes/token) so training skips the full-"
                 "vocabulary LM-head pass (--target-lse false to skip)"})
     batch_size: int = field(default=16, metadata={"help": "samples per extractor call"})
     pool_size: int = field(default=1, metadata={"help": "number of extractor actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per extractor actor"})
-    threads: int | None = field(default=None, metadata={
-        "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
-    actor_resources: str | None = field(default=None, metadata={
-        "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
+    threads: int | None = actor_threads_field()
+    actor_resources: str | None = actor_resources_field()
     actor_memory: str = field(default="auto", metadata={"help": ACTOR_MEMORY_HELP})
     limit: int | None = field(default=None, metadata={"help": "extract at most this many samples"})
-    address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
+    address: str | None = ray_address_field()
     gpus_per_actor: float = field(default=0.0, metadata={"help": GPUS_HELP})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": TP_HELP + "; the vllm extractor needs 1 (its connector hands tensors over in-process)"})

@@ -19,6 +19,8 @@ from tqdm import tqdm
 
 from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_llm, engine_actor_plan,
                                 engine_config, engine_dtype, request_seed)
+from pipeline.config_fields import (actor_resources_field, actor_threads_field, engine_dtype_field, ray_address_field,
+                                    target_field, temperature_field, top_k_field, top_p_field)
 from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, TP_HELP, EngineLayout,
                                   actor_pool_plan, check_count, check_non_negative)
 from pipeline.placement import INFERENCE, role_resources
@@ -35,29 +37,25 @@ class GenerateConfig:
         "help": "JSONL prompt files ({\"turns\": [...]} uses the first turn, or {\"prompt\": ...}); "
                 "default: the project's small shipped prompt set"})
     out: Path = field(default=Path("work/responses"), metadata={"help": "output folder (Parquet shards + manifest)"})
-    target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
+    target: str | None = target_field()
     limit: int | None = field(default=None, metadata={"help": "use at most this many prompts (over all files)"})
     limit_per_file: int | None = field(default=None, metadata={
         "help": "use at most this many prompts from each file (the first N valid ones), for a balanced mix"})
     max_new_tokens: int = field(default=256, metadata={"help": "response length cap"})
     max_model_len: int = field(default=2048, metadata={"help": "context length of the vLLM engine"})
-    temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0 = greedy)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
-    top_k: int = field(default=0, metadata={"help": "top-k sampling (0 = off)"})
+    temperature: float = temperature_field("of the responses")
+    top_p: float = top_p_field("of the responses")
+    top_k: int = top_k_field("of the responses")
     seed: int = field(default=0, metadata={"help": "base seed; each request's seed derives from it and its id"})
-    dtype: str = field(default="auto", metadata={
-        "help": "engine compute precision; auto = bf16 on GPU / CPUs with native bf16, else fp32 (5x faster here)",
-        "choices": ["auto", "float32", "bfloat16", "float16"]})
+    dtype: str = engine_dtype_field()
     batch_size: int = field(default=16, metadata={"help": "prompts per vLLM generate call (Ray Data batch)"})
     pool_size: int = field(default=1, metadata={"help": "number of vLLM generator actors"})
     actor_cpus: float = field(default=1.0, metadata={"help": "CPUs reserved per generator actor"})
-    threads: int | None = field(default=None, metadata={
-        "help": "OpenMP/torch threads per vLLM actor (default: all cores of the node)"})
-    actor_resources: str | None = field(default=None, metadata={
-        "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
+    threads: int | None = actor_threads_field()
+    actor_resources: str | None = actor_resources_field()
     actor_memory: str = field(default="auto", metadata={"help": ACTOR_MEMORY_HELP})
     rows_per_shard: int = field(default=64, metadata={"help": "rows per Parquet shard (the unit of resumption)"})
-    address: str | None = field(default=None, metadata={"help": "Ray address to connect to (default: local)"})
+    address: str | None = ray_address_field()
     max_rows: int | None = field(default=None, metadata={
         "help": "stop after writing this many new rows in this run (for tests of resumption)"})
     gpus_per_actor: float = field(default=0.0, metadata={"help": GPUS_HELP})

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config_fields import target_field, temperature_field
 from pipeline.recipe import BudgetSplit, mix_sizes, parse_mix, responses_that_fit, steps_that_fit, write_mix
 from pipeline.runtime import apply_env, run_job_main
 from pipeline.shards import atomic_write_json
@@ -33,9 +34,9 @@ class RecipeConfig:
                 "shuffle; no COUNT = all); default: the project's shipped prompt set"})
     benchmarks: list[Path] = field(default_factory=list, metadata={
         "help": "benchmark JSONL files evaluated besides the run's held-out prompts"})
-    target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
+    target: str | None = target_field()
     max_new_tokens: int = field(default=256, metadata={"help": "response length cap of the training data"})
-    temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the training responses"})
+    temperature: float = temperature_field("of the training responses")
     probe_prompts: int = field(default=32, metadata={"help": "prompts answered first to measure stage-1 speed"})
     eval_prompts: int = field(default=16, metadata={"help": "prompts per evaluation suite"})
     eval_tokens: int = field(default=128, metadata={"help": "tokens generated per evaluated prompt"})

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config_fields import target_field, temperature_field, top_k_field, top_p_field
 from pipeline.dspark.calibration import calibration_report
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine import SpecConfig, SpeculativeEngine
@@ -45,13 +46,13 @@ class EvalConfig:
         "help": "responses folder holding those held-out prompts (default: the one the run's hidden states were "
                 "extracted from)"})
     out: Path = field(default=Path("work/eval"), metadata={"help": "output folder (results.json + PNGs)"})
-    target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
+    target: str | None = target_field()
     limit: int = field(default=20, metadata={"help": "prompts per benchmark (shuffled with seed 980406 if fewer "
                                                      "than the file has)"})
     max_new_tokens: int = field(default=256, metadata={"help": "generation cap per prompt"})
-    temperature: float = field(default=0.0, metadata={"help": "sampling temperature for target and drafter"})
-    top_p: float = field(default=1.0, metadata={"help": "top-p for target and drafter"})
-    top_k: int = field(default=0, metadata={"help": "top-k for target and drafter (0 = off)"})
+    temperature: float = temperature_field("for target and drafter")
+    top_p: float = top_p_field("for target and drafter")
+    top_k: int = top_k_field("for target and drafter")
     seed: int = field(default=0, metadata={"help": "sampling seed (each prompt gets seed + index)"})
     scheduler: str = field(default="fixed", metadata={
         "help": "verification depth: fixed (= --depth), threshold (static θ), hardware (Algorithm 1), async",

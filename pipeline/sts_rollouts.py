@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config_fields import target_field, temperature_field
 from pipeline.dspark.calibration import apply_sts, calibration_report, fit_sts
 from pipeline.dspark.checkpoint import EXTRA_KEY, load_drafter
 from pipeline.engine import SpecConfig, SpeculativeEngine
@@ -38,11 +39,10 @@ class CalibrateConfig:
                 "from, as their manifest records it)"})
     prompts: list[Path] = field(default_factory=list, metadata={
         "help": "use these prompt JSONL files instead of the held-out responses"})
-    target: str | None = field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
+    target: str | None = target_field()
     limit: int = field(default=64, metadata={"help": "held-out prompts to roll out"})
     max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt"})
-    temperature: float = field(default=0.0, metadata={"help": "sampling temperature of the rollouts (use the one "
-                                                                "you serve with)"})
+    temperature: float = temperature_field("of the rollouts - use the one you serve with")
     batch: int = field(default=8, metadata={"help": "requests decoded together"})
     objective: str = field(default="ece", metadata={"help": "STS objective (paper: ece; brier is a proper score)",
                                                     "choices": ["ece", "brier"]})
