@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.runtime import apply_env, reexec_for_process_env
+from pipeline.runtime import apply_env, run_job_main
 
 
 @dataclass
@@ -174,5 +174,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)

@@ -25,7 +25,7 @@ import time
 
 from pipeline.config_cli import parse_config
 from pipeline.launch_plan import print_plan
-from pipeline.runtime import apply_env, init_ray, reexec_for_process_env
+from pipeline.runtime import apply_env, init_ray, run_job_main
 from serve_app.app import ServeConfig, build_app, serve_plan
 
 
@@ -69,5 +69,4 @@ def run(cfg, block: bool | None = None):
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)

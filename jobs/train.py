@@ -30,7 +30,7 @@ from pipeline.fsdp_sharding import UNITS_SUMMARY
 from pipeline.launch_plan import print_plan
 from pipeline.local_stages import run_local_stages
 from pipeline.placement import TRAINING, parse_resources, planned_role_resources, role_resources
-from pipeline.runtime import apply_env, init_ray, reexec_for_process_env, resolve_device
+from pipeline.runtime import apply_env, init_ray, resolve_device, run_job_main
 from pipeline.shards import atomic_write_json
 from pipeline.stores import open_hidden_store
 from pipeline.trainer import train_local
@@ -210,5 +210,4 @@ def data_summary(cfg: TrainConfig) -> dict:
 
 
 if __name__ == "__main__":
-    reexec_for_process_env()  # start-only settings (malloc tunables) for this process too
-    main()
+    run_job_main(main)
