@@ -82,7 +82,7 @@ class EvalConfig:
                                                           "cpu, cuda"})
 
     def __post_init__(self):  # a clear error naming the flag (parse_config turns it into a usage error)
-        vllm_baseline_dtypes(self)
+        vllm_baseline_dtypes(self.vllm_baselines)
 
 
 def parse_drafters(specs: list[str]) -> list[tuple[str, Path]]:
@@ -150,11 +150,12 @@ def confidence_metrics(records: list[dict], gamma: int) -> dict:
 VLLM_BASELINE_DTYPES = ("float32", "bfloat16")
 
 
-def vllm_baseline_dtypes(cfg: EvalConfig) -> list[str]:
-    dts = [d for d in cfg.vllm_baselines if d != "none"]
+def vllm_baseline_dtypes(specs: list[str]) -> list[str]:
+    """The --vllm-baselines precisions (evaluation and load test), de-duplicated; [] for 'none'."""
+    dts = [d for d in specs if d != "none"]
     bad = [d for d in dts if d not in VLLM_BASELINE_DTYPES]
-    if bad or (dts and len(dts) != len(cfg.vllm_baselines)):
-        raise ValueError(f"--vllm-baselines: {cfg.vllm_baselines} - give precisions from "
+    if bad or (dts and len(dts) != len(specs)):
+        raise ValueError(f"--vllm-baselines: {specs} - give precisions from "
                          f"{list(VLLM_BASELINE_DTYPES)}, or 'none' alone")
     return list(dict.fromkeys(dts))
 
@@ -167,7 +168,7 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
 
     if cfg.responses and not cfg.heldout_of:
         raise ValueError("--responses only applies with --heldout-of (whose held-out prompts it holds)")
-    vllm_dtypes = vllm_baseline_dtypes(cfg)
+    vllm_dtypes = vllm_baseline_dtypes(cfg.vllm_baselines)
     if vllm_dtypes and plain_decoder is None:
         raise ValueError("--vllm-baselines needs vLLM's plain decoding (jobs.evaluate passes it); give 'none'")
     torch_threads(cfg.threads)

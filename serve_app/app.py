@@ -246,10 +246,10 @@ def vllm_engine_config(cfg: ServeConfig, target: str | None = None) -> dict:
 
 
 def vllm_engine_environment(cfg: ServeConfig) -> dict:
-    """Environment of a vLLM replica: the CUDA platform; AsyncLLM runs its engine core in its own process."""
+    """Environment of a vLLM replica: the CUDA platform, or (--vllm-device cpu) the CPU one with its KV cache in host
+    memory; AsyncLLM runs its engine core in its own process."""
     layout = cfg.layout()
-    # CPU engine: the KV cache lives in host memory; CPU_KV_CACHE_GB covers max_batch full-length sequences
-    # of the SmolLM2 target (~23 KB per token) with room to spare
+    # CPU_KV_CACHE_GB holds 16 full-length (2,048-token) sequences of the SmolLM2 target (~23 KB per token)
     env = vllm_engine_env(layout, cpu_kv_cache_gb=CPU_KV_CACHE_GB if layout.device == "cpu" else None)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return env
@@ -359,7 +359,8 @@ def serve_plan(cfg: ServeConfig) -> dict:
     eng_dep = engine_deployment_options(cfg)
     if cfg.engine == "vllm":
         opts = vllm_replica_options(cfg, target)
-        engine = {"backend": "vllm", "device": cfg.layout().device, "replica_class": "serve_app.vllm_replica.VLLMEngineReplica",
+        engine = {"backend": "vllm", "device": cfg.layout().device,
+                  "replica_class": "serve_app.vllm_replica.VLLMEngineReplica",
                   "kwargs": opts["engine_kwargs"], "env": opts["engine_env"],
                   "depth_control": ("vLLM adaptive verification (per-step draft budget from confidences and "
                                     "profiled step costs)" if opts["engine_kwargs"].get("speculative_config", {})

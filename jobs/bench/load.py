@@ -1,6 +1,6 @@
 """Bounded loopback load test of the Serve application (serve_app): for each system -- no speculation, fixed depth γ,
-load-aware scheduler, and vLLM's own plain decoding behind the same API (--vllm-baselines) -- deploy it locally, then at each concurrency level run a fixed number of streamed chat
-requests and report output tokens/s, per-user tokens/s, median TTFT and the mean verified depth.  Prints one table
+load-aware scheduler, and vLLM's own plain decoding behind the same API (--vllm-baselines) -- deploy it locally,
+then at each concurrency level run a fixed number of streamed chat requests and report output tokens/s, per-user tokens/s, median TTFT and the mean verified depth.  Prints one table
 and writes results.json + load_test.png (throughput and mean verified depth vs concurrency) to --out.
 
 All systems are deployed side by side (one Serve application each, under /<system>/v1) and the levels are
@@ -33,6 +33,7 @@ import torch
 from pipeline.dspark.checkpoint import export_checkpoint
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.evaluation import vllm_baseline_dtypes
 from pipeline.prompts import read_prompt_files
 from pipeline.runtime import init_ray
 from pipeline.subsets import subsample
@@ -285,18 +286,16 @@ def run(args, harness) -> dict:
         raise SystemExit("--soak with a speculative system needs --drafter")
     if len(systems) < len(args.systems) and not args.soak:
         print("no --drafter: only the no-speculation system runs", flush=True)
-    vllm_dtypes = [] if args.soak or args.vllm_baselines == ["none"] else list(args.vllm_baselines)
-    if "none" in vllm_dtypes:
-        raise SystemExit("--vllm-baselines: 'none' cannot be combined with precisions")
-    for dt in vllm_dtypes:
-        if dt not in ("bfloat16", "float32"):
-            raise SystemExit(f"--vllm-baselines: unknown precision {dt!r} (bfloat16 or float32)")
+    try:
+        vllm_dtypes = [] if args.soak else vllm_baseline_dtypes(args.vllm_baselines)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     # label -> the ServeConfig fields of its application
     deployments = {LABELS[s]: dict(drafter=drafter if s != "none" else None, scheduler=s, dtype=args.dtype)
                    for s in systems}
     vllm_device = "cuda" if torch.cuda.is_available() else "cpu"
-    deployments |= {f"vllm-{dt}": dict(engine="vllm", vllm_device=vllm_device, drafter=None, scheduler="none", dtype=dt)
-                    for dt in vllm_dtypes}
+    deployments |= {f"vllm-{dt}": dict(engine="vllm", vllm_device=vllm_device, drafter=None, scheduler="none",
+                                       dtype=dt) for dt in vllm_dtypes}
     baselines = [label for label, d in deployments.items() if d["scheduler"] == "none"]
 
     # the systems' replicas live side by side but only one works at a time: logical CPUs for all of them
@@ -384,6 +383,7 @@ def run(args, harness) -> dict:
     if results:
         plot(results, out / "load_test.png")
         print(f"plot: {out / 'load_test.png'}")
-    meta = {"drafter": drafter, "target": target, "no_spec_systems": baselines, "elapsed_s": time.time() - t_start, "skipped": skipped}
+    meta = {"drafter": drafter, "target": target, "no_spec_systems": baselines, "elapsed_s": time.time() - t_start,
+            "skipped": skipped}
     return {"meta": meta, "results": results,
             "raw": {label: {str(c): lvs for c, lvs in by_c.items()} for label, by_c in raw.items()}}
