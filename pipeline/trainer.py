@@ -16,8 +16,9 @@ warmup/cosine step -> log (rank 0; held-out tau every --eval-every steps) -> che
 the drafter.  With --fsdp the drafter is sharded over the workers instead (pipeline/fsdp_sharding.py): FSDP2
 gathers each unit's parameters for its forward/backward and reduce-scatters (sums) the gradients, so there is no
 separate all-reduce; every rank runs the held-out evaluation, the checkpoint's state gathering and the export's
-(collectives), rank 0 writes them, in the replicated run's format.  Resuming restores model + optimizer + scheduler + step + positions seen; the data order comes from
-(seed, epoch) and each step's random draws from (seed, rank, step), so the resumed losses equal the uninterrupted.
+(collectives), rank 0 writes them, in the replicated run's format.  Resuming restores model + optimizer +
+scheduler + step + positions seen; the data order comes from (seed, epoch) and each step's random draws from
+(seed, rank, step), so the resumed losses equal the uninterrupted.
 """
 from __future__ import annotations
 
@@ -93,10 +94,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         # the drafter: fp32 master weights on this worker's device, identical on every rank
-        draft_ids = torch.tensor(plan["draft_ids"], dtype=torch.long) if plan["draft_ids"] is not None else None
+        self.draft_ids = torch.tensor(plan["draft_ids"], dtype=torch.long) if plan["draft_ids"] is not None else None
         self.drafter_config = build_drafter_config(cfg, self.target, plan["layer_ids"],
                                                    len(plan["draft_ids"] or []) or None)
-        self.model = DSparkDrafter.from_target(self.drafter_config, self.target, draft_ids=draft_ids).to(self.device)
+        self.model = DSparkDrafter.from_target(self.drafter_config, self.target,
+                                                draft_ids=self.draft_ids).to(self.device)
         if self.world > 1:
             for p in self.model.trainable_parameters():
                 dist.broadcast(p.data, 0)
@@ -324,9 +326,7 @@ class Trainer:
             weights = full_model_state(self.model)
             if self.rank != 0:
                 return None
-            draft_ids = self.plan["draft_ids"]
-            model = DSparkDrafter.from_target(self.drafter_config, self.target, draft_ids=None if draft_ids is None
-                                              else torch.tensor(draft_ids, dtype=torch.long))
+            model = DSparkDrafter.from_target(self.drafter_config, self.target, draft_ids=self.draft_ids)
             model.load_state_dict(weights)
         path = export_checkpoint(model.cpu(), Path(self.cfg.out) / "drafter",
                                  verifier_name_or_path=str(self.target))
