@@ -41,6 +41,7 @@ from pipeline.fsdp_sharding import (full_model_state, full_norm, full_state, loa
 from pipeline.runtime import resolve_device
 from pipeline.target_weights import load_target_weights
 from pipeline.training import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, accumulate_gradients, append_metrics,
+                               micro_batch_count,
                                build_drafter_config, greedy_walk_tau, heldout_eval_ids, lr_lambda, metrics_row,
                                open_store, step_blocks, step_sample_ids, step_seed, teacher_forced_tau,
                                use_bf16_autocast)
@@ -234,7 +235,7 @@ class Trainer:
     def max_chunks(self, blocks: list) -> int:
         """The most micro-batches any rank runs this step: with --fsdp every rank must run as many forward/backward
         passes (each gathers and reduce-scatters), so the others pad theirs (accumulate_gradients' min_chunks)."""
-        mine = -(-sum(b.num_supervised > 0 for b in blocks) // max(1, self.cfg.micro_batch))
+        mine = micro_batch_count(blocks, self.cfg.micro_batch)
         if self.world == 1:
             return mine
         t = torch.tensor([mine], device=self.device)

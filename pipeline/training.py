@@ -315,6 +315,12 @@ def noisy_features(aux: torch.Tensor, hidden_size: int, rel_std: float, gen: tor
     return (x + rel_std * rms * noise).view(T, nd).to(aux.dtype)
 
 
+def micro_batch_count(blocks: list, micro_batch: int) -> int:
+    """How many forward/backward passes accumulate_gradients runs for these blocks: one per `micro_batch`
+    sequences that have a supervised block."""
+    return -(-sum(b.num_supervised > 0 for b in blocks) // max(1, micro_batch))
+
+
 def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, loss_cfg, denom: float,
                          micro_batch: int = 1, bf16: bool = False, device=None, feature_noise: float = 0.0,
                          noise_seed: int = 0, min_chunks: int = 0):
@@ -335,7 +341,7 @@ def accumulate_gradients(model, target_head, samples: list[dict], blocks: list, 
         todo = [(s | {"aux_hidden": noisy_features(s["aux_hidden"], model.cfg.hidden_size, feature_noise, gen)}, b)
                 for s, b in todo]
     starts = list(range(0, len(todo), max(1, micro_batch)))
-    real = len(starts)
+    real = len(starts)  # == micro_batch_count(blocks, micro_batch)
     if real < min_chunks:
         if not starts:
             raise RuntimeError("accumulate_gradients: no sequence of this rank has a supervised block, so it cannot "
