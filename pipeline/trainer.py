@@ -41,10 +41,9 @@ from pipeline.fsdp_sharding import (full_model_state, full_norm, full_state, loa
 from pipeline.runtime import resolve_device
 from pipeline.target_weights import load_target_weights
 from pipeline.training import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, accumulate_gradients, append_metrics,
-                               micro_batch_count,
                                build_drafter_config, greedy_walk_tau, heldout_eval_ids, lr_lambda, metrics_row,
-                               open_store, step_blocks, step_sample_ids, step_seed, teacher_forced_tau,
-                               use_bf16_autocast)
+                               micro_batch_count, open_store, step_blocks, step_sample_ids, step_seed,
+                               teacher_forced_tau, use_bf16_autocast)
 
 
 @dataclass(frozen=True)
