@@ -1,4 +1,5 @@
-"""The target's frozen tensors a drafter shares: the input embedding and the (full-vocabulary) LM head.
+"""The target's tensors a drafter takes: the frozen input embedding and (full-vocabulary) LM head it shares, and
+optionally its last decoder layers as the starting point of the drafter's own layers (``load_target_layers``).
 
 Read from a transformers module, or straight from a local HF folder's safetensors without instantiating the model.
 """
@@ -55,18 +56,67 @@ def load_target_weights(target) -> TargetWeights:
                          str(path), list(cfg.get("architectures") or []))
 
 
+def load_target_layers(target, count: int) -> dict[str, torch.Tensor]:
+    """The target's last `count` decoder layers and its final norm, keyed by the drafter's parameter names:
+    target layer L-count+j's ``model.layers.{L-count+j}.<rest>`` becomes ``layers.{j}.<rest>`` and ``model.norm.weight``
+    becomes ``norm.weight`` (fp32 copies).  `target`: a transformers causal LM or a local HF folder."""
+    if isinstance(target, torch.nn.Module):
+        L = int(target.config.num_hidden_layers)
+        state = {k: v.detach() for k, v in target.state_dict().items()}
+        names = list(state)
+    else:
+        folder = Path(target)
+        cfg = json.loads((folder / CONFIG_NAME).read_text())
+        cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+        L = int(cfg["num_hidden_layers"])
+        names, state = None, None
+    if not 1 <= count <= L:
+        raise TargetWeightsError(f"cannot initialise {count} drafter layer(s) from a target with {L} decoder layers")
+    first = L - count
+    if state is None:
+        names = _tensor_names(folder)
+    wanted = {}
+    for n in names:
+        if n == "model.norm.weight":
+            wanted[n] = "norm.weight"
+        elif n.startswith("model.layers."):
+            idx, _, rest = n[len("model.layers."):].partition(".")
+            if idx.isdigit() and int(idx) >= first and "rotary" not in rest:
+                wanted[n] = f"layers.{int(idx) - first}.{rest}"
+    if "model.norm.weight" not in wanted or not any(v.startswith("layers.") for v in wanted.values()):
+        raise TargetWeightsError("target has no model.layers.* / model.norm.weight tensors (a Llama / Qwen-style "
+                                 "causal LM is needed to initialise drafter layers from it)")
+    if state is None:
+        state = _read_named_tensors(folder, list(wanted))
+    return {wanted[n]: state[n].float().clone() for n in wanted}
+
+
+def _weight_files(folder: Path) -> dict[str, Path] | Path:
+    """{tensor name: file} from a sharded folder's index, or the single weights file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+    f = folder / WEIGHTS_NAME
+    if not f.is_file():
+        raise TargetWeightsError(f"target folder {folder} has no {WEIGHTS_NAME} (or index)")
+    return f
+
+
+def _tensor_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    files = _weight_files(folder)
+    if isinstance(files, dict):
+        return list(files)
+    with safe_open(str(files), framework="pt") as sf:
+        return list(sf.keys())
+
+
 def _read_named_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        wmap = json.loads(index.read_text())["weight_map"]
-        files = {n: folder / wmap[n] for n in names if n in wmap}
-    else:
-        f = folder / WEIGHTS_NAME
-        if not f.is_file():
-            raise TargetWeightsError(f"target folder {folder} has no {WEIGHTS_NAME} (or index)")
-        files = {n: f for n in names}
+    wmap = _weight_files(folder)
+    files = {n: wmap[n] for n in names if n in wmap} if isinstance(wmap, dict) else {n: wmap for n in names}
     out = {}
     for n, f in files.items():
         with safe_open(str(f), framework="pt") as sf:

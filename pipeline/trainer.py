@@ -39,7 +39,7 @@ from pipeline.dspark.losses import LossConfig, TargetHead
 from pipeline.fsdp_sharding import (full_model_state, full_norm, full_state, load_full_state, parameter_elements,
                                     shard_drafter)
 from pipeline.runtime import resolve_device
-from pipeline.target_weights import load_target_weights
+from pipeline.target_weights import load_target_layers, load_target_weights
 from pipeline.training import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, accumulate_gradients, append_metrics,
                                build_drafter_config, greedy_walk_tau, heldout_eval_ids, lr_lambda, metrics_row,
                                micro_batch_count, open_store, step_blocks, step_sample_ids, step_seed,
@@ -97,8 +97,10 @@ class Trainer:
         self.draft_ids = torch.tensor(plan["draft_ids"], dtype=torch.long) if plan["draft_ids"] is not None else None
         self.drafter_config = build_drafter_config(cfg, self.target, plan["layer_ids"],
                                                    len(plan["draft_ids"] or []) or None)
-        self.model = DSparkDrafter.from_target(self.drafter_config, self.target,
-                                                draft_ids=self.draft_ids).to(self.device)
+        self.model = DSparkDrafter.from_target(self.drafter_config, self.target, draft_ids=self.draft_ids)
+        if cfg.init_layers == "target":
+            self.model.init_layers_from(load_target_layers(self.target, cfg.num_layers))
+        self.model.to(self.device)
         if self.world > 1:
             for p in self.model.trainable_parameters():
                 dist.broadcast(p.data, 0)

@@ -54,6 +54,10 @@ class TrainConfig:
                 "paper's) or 'embedding' (the target's frozen input embedding, RMS-normalised, times a shared [r, d] "
                 "projection, plus a zero-initialised per-token table: tokens rare in the training data still get "
                 "a latent). The exported checkpoint holds the folded table either way", "choices": ["table", "embedding"]})
+    init_layers: str = field(default="random", metadata={
+        "help": "how the drafter's decoder layers start: 'random' (normal, std 0.02) or 'target' (copies of the "
+                "target's last --num-layers layers and its final norm; q/k norms at 1)",
+        "choices": ["random", "target"]})
     draft_vocab_coverage: float = field(default=0.99, metadata={
         "help": "reduced draft vocabulary: the most frequent response tokens covering this fraction"})
     draft_vocab_size: int | None = field(default=None, metadata={

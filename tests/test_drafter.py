@@ -514,3 +514,41 @@ def test_packed_linear_follows_weight_updates_and_matches_nn_linear():
     assert packed_linear.forget_packed(lin) == 1
     with torch.no_grad():
         torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_init_layers_from_target_copies_the_last_layers(tmp_path):
+    """--init-layers target: drafter layer j starts as target layer L-n+j (projections, MLP, both norms) and the final
+    norm as the target's; q/k norms (absent in Llama) stay at 1; the same tensors from the module and from its saved
+    HF folder; a drafter deeper than the target or of other widths is refused with the reason."""
+    from pipeline.target_weights import TargetWeightsError, load_target_layers
+
+    t = tiny_target()  # 4 layers
+    with torch.no_grad():
+        t.model.norm.weight.uniform_(0.5, 1.5)  # not all-ones, so the copy is visible
+        for layer in t.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+    cfg = DrafterConfig.from_target_config(t.config, num_hidden_layers=2)
+    t.save_pretrained(tmp_path / "target")
+    for source in (t, tmp_path / "target"):
+        m = DSparkDrafter.from_target(cfg, t)
+        names = m.init_layers_from(load_target_layers(source, 2))
+        assert "layers.0.self_attn.q_proj.weight" in names and "norm.weight" in names
+        for j, i in ((0, 2), (1, 3)):
+            src, dst = t.model.layers[i], m.layers[j]
+            for a, b in ((src.self_attn.q_proj, dst.self_attn.q_proj), (src.self_attn.k_proj, dst.self_attn.k_proj),
+                         (src.self_attn.v_proj, dst.self_attn.v_proj), (src.self_attn.o_proj, dst.self_attn.o_proj),
+                         (src.mlp.gate_proj, dst.mlp.gate_proj), (src.mlp.up_proj, dst.mlp.up_proj),
+                         (src.mlp.down_proj, dst.mlp.down_proj), (src.input_layernorm, dst.input_layernorm),
+                         (src.post_attention_layernorm, dst.post_attention_layernorm)):
+                assert torch.equal(a.weight, b.weight)
+            assert torch.equal(dst.self_attn.q_norm.weight, torch.ones(16))
+            assert torch.equal(dst.self_attn.k_norm.weight, torch.ones(16))
+        assert torch.equal(m.norm.weight, t.model.norm.weight)
+        assert torch.equal(m.embed_tokens.weight, t.model.embed_tokens.weight)  # the frozen part as before
+    with pytest.raises(TargetWeightsError, match="5 drafter layer"):
+        load_target_layers(t, 5)
+    wide = DSparkDrafter(tiny_cfg(intermediate_size=96, num_hidden_layers=2))
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight"):
+        wide.init_layers_from(load_target_layers(t, 2))
+    with pytest.raises(ValueError, match="without a drafter counterpart"):
+        wide.init_layers_from({"layers.7.self_attn.q_proj.weight": torch.zeros(64, 64)})

@@ -77,6 +77,24 @@ def test_train_two_workers_dflash(ray_session, tiny_setup, tmp_path, capfd):
     assert cfg["markov_rank"] == 0
 
 
+def test_train_init_layers_from_target(tiny_setup, tmp_path):
+    """--init-layers target: the run starts its 2 layers from the target's layers 2 and 3 and its final norm, so
+    after one small step the exported layers are still within the step size of the target's; the default random
+    init is nowhere near them.  (The random target's norms are all ones, like a fresh drafter's: the norms' copy is
+    checked in tests/test_drafter.py.)"""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_setup / "target")
+    common = ("--backend", "local", "--device", "cpu", "--max-steps", "1", "--eval-every", "0", "--lr", "1e-4")
+    main(_args(tiny_setup, tmp_path / "t", *common, "--init-layers", "target"))
+    main(_args(tiny_setup, tmp_path / "r", *common))
+    for run, near in (("t", True), ("r", False)):
+        d = load_drafter(tmp_path / run / "drafter", tiny_setup / "target")
+        for j, i in ((0, 2), (1, 3)):
+            diff = (d.layers[j].mlp.down_proj.weight - target.model.layers[i].mlp.down_proj.weight).abs().max()
+            assert (float(diff) < 1e-3) == near, (run, j, float(diff))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_on_a_gpu_worker(ray_session, tiny_setup, tmp_path):
     """--gpus-per-worker 1: a Ray Train GPU worker (use_gpu, NCCL process group, bf16 autocast) trains, checkpoints,

@@ -213,6 +213,23 @@ class DSparkDrafter(nn.Module):
         m.load_frozen(tw.embed, tw.lm_head)
         return m
 
+    @torch.no_grad()
+    def init_layers_from(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """Start the decoder layers (and the final norm) from target tensors keyed by this drafter's names
+        (pipeline.target_weights.load_target_layers: the target's last layers).  Projections, MLP and layer norms are
+        copied; the q/k norms, which a Llama target lacks, keep their weight of 1; fc, hidden_norm and the heads
+        keep their own init.  Returns the names set; a shape mismatch or a tensor this drafter lacks is an error."""
+        own = dict(self.named_parameters())
+        unknown = sorted(set(tensors) - set(own))
+        if unknown:
+            raise ValueError(f"target layer tensors without a drafter counterpart: {unknown[:4]} (the target's "
+                             "layers must be Llama / Qwen-style: q/k/v/o projections, gate/up/down MLP, two norms)")
+        for name, t in tensors.items():
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise ValueError(f"{name}: target tensor {tuple(t.shape)} != drafter {tuple(own[name].shape)}")
+            own[name].copy_(t)
+        return sorted(tensors)
+
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
