@@ -505,24 +505,42 @@ def plot_metrics(metrics_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def read_learning_curve(metrics_path: Path, key: str = "heldout_tau") -> list[tuple[int, float]]:
+def read_learning_curve(metrics_path: Path, key: str = "heldout_tau", x: str = "positions") -> list[tuple]:
     """[(supervised positions seen, held-out tau)] of a run's metrics.jsonl, by step (a resumed run's rows for the
     same step replace the earlier ones).  key: heldout_tau (teacher-forced, averaged over positions) or
-    heldout_walk_tau (greedy rounds replayed along the responses, tokens per round as the engine counts)."""
-    rows = {}
+    heldout_walk_tau (greedy rounds replayed along the responses, tokens per round as the engine counts).
+    x="seconds": the first element is the run's training seconds up to that step instead (`training_seconds`)."""
+    rows, seconds = {}, training_seconds(metrics_path) if x == "seconds" else None
     for line in Path(metrics_path).read_text().splitlines():
         r = json.loads(line)
         if key in r and "positions_seen" in r and not math.isnan(r[key]):
-            rows[r["step"]] = (int(r["positions_seen"]), float(r[key]))
+            rows[r["step"]] = (int(r["positions_seen"]) if seconds is None else seconds[r["step"]], float(r[key]))
     return [rows[k] for k in sorted(rows)]
 
 
-def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = None) -> bool:
-    """Held-out greedy tau against supervised positions seen, one colour per run {label: metrics.jsonl}: the
-    teacher-forced tau solid, the replayed rounds' tau (where logged) dashed.  Returns False (no file written) when
-    no run has held-out evaluations."""
-    curves = {k: read_learning_curve(v) for k, v in runs.items()}
-    walks = {k: read_learning_curve(v, "heldout_walk_tau") for k, v in runs.items()}
+def training_seconds(metrics_path: Path) -> dict[int, float]:
+    """{step: seconds spent training up to that step} of a run's metrics.jsonl: each row's positions since the row
+    before divided by its positions_per_s (which leaves the held-out evaluations out), summed; comparable across
+    runs of different drafter sizes as tau at equal training wall time."""
+    rows = {}
+    for line in Path(metrics_path).read_text().splitlines():
+        r = json.loads(line)
+        if "positions_seen" in r and "positions_per_s" in r:
+            rows[r["step"]] = (int(r["positions_seen"]), float(r["positions_per_s"]))
+    out, seen, total = {}, 0, 0.0
+    for step in sorted(rows):
+        pos, rate = rows[step]
+        total += max(0, pos - seen) / max(rate, 1e-9)
+        seen, out[step] = pos, total
+    return out
+
+
+def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = None, x: str = "positions") -> bool:
+    """Held-out greedy tau against supervised positions seen (x="seconds": training seconds), one colour per run
+    {label: metrics.jsonl}: the teacher-forced tau solid, the replayed rounds' tau (where logged) dashed.  Returns
+    False (no file written) when no run has held-out evaluations."""
+    curves = {k: read_learning_curve(v, x=x) for k, v in runs.items()}
+    walks = {k: read_learning_curve(v, "heldout_walk_tau", x=x) for k, v in runs.items()}
     curves = {k: c for k, c in curves.items() if c}
     if not curves:
         return False
@@ -537,7 +555,7 @@ def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = N
         if walks[label]:
             ax.plot([x for x, _ in walks[label]], [y for _, y in walks[label]], marker="o", ms=3, ls="--",
                     color=line.get_color(), label=f"{label} (replayed rounds)")
-    ax.set_xlabel("supervised positions seen")
+    ax.set_xlabel("supervised positions seen" if x == "positions" else "training seconds (evaluations left out)")
     ax.set_ylabel("held-out greedy tau (depth gamma)")
     ax.set_title(title or "learning curve")
     ax.grid(alpha=0.3)

@@ -141,3 +141,27 @@ def test_load_benchmark_includes_vllm_plain_decoding(tmp_path):
         assert res[fastest][c]["vs_fastest_no_spec"] == pytest.approx(1.0)
         assert all(res[s][c]["vs_fastest_no_spec"] <= 1.0 + 1e-9 for s in ("no-spec", "vllm-bfloat16"))
     assert (tmp_path / "load_test.png").is_file()
+
+
+def test_learning_curves_against_training_seconds(tmp_path):
+    """--x seconds: each held-out point at the training seconds so far (positions since the previous row / that
+    row's positions_per_s, summed: evaluations are not in the rate, so they add nothing); the CLI prints and plots
+    them; a resumed run's repeated step replaces the earlier row."""
+    from pipeline.training import read_learning_curve, training_seconds
+
+    rows = [{"step": 5, "positions_seen": 1000, "positions_per_s": 100.0},
+            {"step": 10, "positions_seen": 3000, "positions_per_s": 200.0, "heldout_tau": 1.5},
+            {"step": 10, "positions_seen": 3000, "positions_per_s": 400.0, "heldout_tau": 1.6},  # resumed: replaces
+            {"step": 15, "positions_seen": 4000, "positions_per_s": 50.0, "heldout_tau": 2.0,
+             "heldout_walk_tau": 1.8}]
+    m = tmp_path / "run" / "metrics.jsonl"
+    m.parent.mkdir()
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert training_seconds(m) == pytest.approx({5: 10.0, 10: 15.0, 15: 35.0})
+    assert [v for point in read_learning_curve(m, x="seconds") for v in point] == pytest.approx([15, 1.6, 35, 2.0])
+    assert read_learning_curve(m) == [(3000, 1.6), (4000, 2.0)]
+    p = bench("learning_curves", f"run={m.parent}", "--x", "seconds", "--png", str(tmp_path / "c.png"), "--out",
+              str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    assert "run: 15s -> 1.600, 35s -> 2.000 (replayed 1.800)" in p.stdout
+    assert (tmp_path / "c.png").stat().st_size > 0

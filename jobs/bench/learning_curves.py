@@ -5,7 +5,9 @@
 
 Each argument is LABEL=RUN (a jobs.train --out folder or its metrics.jsonl); runs must have been trained with
 --eval-every > 0 (the default).  Prints the curve points too: teacher-forced tau, and the replayed rounds' tau
-(dashed in the plot) for runs trained with --eval-walk-tokens > 0.  The PNG defaults to <out>/learning_curves.png."""
+(dashed in the plot) for runs trained with --eval-walk-tokens > 0.  The PNG defaults to <out>/learning_curves.png.
+--x seconds puts training seconds on the x axis instead (tau at equal wall time, for drafters of different sizes;
+runs compared this way should have shared the machine alike, e.g. run side by side)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,6 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("runs", nargs="+", help="LABEL=RUN_FOLDER or LABEL=metrics.jsonl")
     p.add_argument("--png", type=Path, default=None, help="PNG to write (default: <out>/learning_curves.png)")
     p.add_argument("--title", default=None)
+    p.add_argument("--x", choices=["positions", "seconds"], default="positions",
+                   help="x axis: supervised positions seen, or training seconds (evaluations left out)")
 
 
 def run(a, harness) -> dict:
@@ -34,16 +38,16 @@ def run(a, harness) -> dict:
             raise SystemExit(f"{label}: no metrics file at {runs[label]}")
     curves = {}
     for label, path in runs.items():
-        walk = dict(read_learning_curve(path, "heldout_walk_tau"))  # {positions seen: replayed tau}
-        curve = read_learning_curve(path)
-        points = [f"{x / 1e6:.3f}M -> {t:.3f}" + (f" (replayed {walk[x]:.3f})" if x in walk else "")
-                  for x, t in curve]
+        walk = dict(read_learning_curve(path, "heldout_walk_tau", x=a.x))  # {positions seen | seconds: replayed tau}
+        curve = read_learning_curve(path, x=a.x)
+        fmt = (lambda v: f"{v / 1e6:.3f}M") if a.x == "positions" else (lambda v: f"{v:.0f}s")
+        points = [f"{fmt(x)} -> {t:.3f}" + (f" (replayed {walk[x]:.3f})" if x in walk else "") for x, t in curve]
         print(f"{label}: " + ", ".join(points))
-        curves[label] = {"metrics": str(path), "heldout_tau": [[x, t] for x, t in curve],
+        curves[label] = {"metrics": str(path), "x": a.x, "heldout_tau": [[x, t] for x, t in curve],
                          "heldout_walk_tau": [[x, t] for x, t in walk.items()]}
     png = a.png or harness.out_dir / "learning_curves.png"
     png.parent.mkdir(parents=True, exist_ok=True)
-    if not plot_learning_curves(runs, png, a.title):
+    if not plot_learning_curves(runs, png, a.title, x=a.x):
         raise SystemExit("no run has held-out tau rows (train with --eval-every > 0)")
     print(f"wrote {png}")
     return {"png": str(png), "runs": curves}
