@@ -41,8 +41,8 @@ from pipeline.fsdp_sharding import (full_model_state, full_norm, full_state, loa
 from pipeline.runtime import resolve_device
 from pipeline.target_weights import load_target_layers, load_target_weights
 from pipeline.training import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, accumulate_gradients, append_metrics,
-                               build_drafter_config, greedy_walk_tau, heldout_eval_ids, lr_lambda, metrics_row,
-                               micro_batch_count, open_store, step_blocks, step_sample_ids, step_seed,
+                               build_drafter_config, eval_store_samples, greedy_walk_tau, heldout_eval_ids, lr_lambda,
+                               metrics_row, micro_batch_count, open_store, step_blocks, step_sample_ids, step_seed,
                                teacher_forced_tau, use_bf16_autocast)
 
 
@@ -131,6 +131,8 @@ class Trainer:
         self.positions_seen = 0  # supervised positions trained on, all ranks, kept across resumes
         self.hold_ids = heldout_eval_ids(plan.get("holdout_ids") or [], cfg.eval_samples)
         self._hold_samples = None  # loaded on first evaluation (rank 0)
+        # --eval-data's samples {source file: [sample]}, loaded now so that a wrong store fails before training
+        self._eval_samples = eval_store_samples(cfg, plan["layer_ids"]) if cfg.eval_data is not None else None
         state = hooks.load_state(self.device)
         if state is not None:
             self.load_state_dict(state)
@@ -259,15 +261,20 @@ class Trainer:
 
     # ---- evaluation, logging, checkpoints ----------------------------------------------------------------------
     def evaluate(self, store) -> dict:
-        """Held-out greedy tau (teacher-forced, and replayed rounds with --eval-walk-tokens) as metrics fields."""
-        if not self.hold_ids:
-            return {}
-        self._hold_samples = self._hold_samples or [store.get(i) for i in self.hold_ids]
-        ev = teacher_forced_tau(self.model, self._hold_samples, self.cfg.eval_blocks)
-        out = dict(heldout_tau=ev["tau"], heldout_blocks=ev["blocks"], heldout_accept_hist=ev["accept_hist"])
-        if self.cfg.eval_walk_tokens:
-            walk = greedy_walk_tau(self.model, self._hold_samples, self.cfg.eval_walk_tokens)
-            out |= dict(heldout_walk_tau=walk["tau"], heldout_walk_rounds=walk["rounds"])
+        """Held-out greedy tau (teacher-forced, and replayed rounds with --eval-walk-tokens) as metrics fields; the
+        same on --eval-data per source file."""
+        out = {}
+        if self.hold_ids:
+            self._hold_samples = self._hold_samples or [store.get(i) for i in self.hold_ids]
+            ev = teacher_forced_tau(self.model, self._hold_samples, self.cfg.eval_blocks)
+            out |= dict(heldout_tau=ev["tau"], heldout_blocks=ev["blocks"], heldout_accept_hist=ev["accept_hist"])
+            if self.cfg.eval_walk_tokens:
+                walk = greedy_walk_tau(self.model, self._hold_samples, self.cfg.eval_walk_tokens)
+                out |= dict(heldout_walk_tau=walk["tau"], heldout_walk_rounds=walk["rounds"])
+        for tag, samples in (self._eval_samples or {}).items():  # the same measures on --eval-data, per file
+            out[f"eval_tau_{tag}"] = teacher_forced_tau(self.model, samples, self.cfg.eval_blocks)["tau"]
+            if self.cfg.eval_walk_tokens:
+                out[f"eval_walk_tau_{tag}"] = greedy_walk_tau(self.model, samples, self.cfg.eval_walk_tokens)["tau"]
         return out
 
     def log(self, row: dict, parts: dict) -> None:
@@ -279,7 +286,9 @@ class Trainer:
               + " ".join(f"{k} {v:.4f}" for k, v in parts.items() if k != "loss")
               + f" | {row['positions_per_s']:.0f} pos/s lr {row['lr']:.2e}"
               + (f" | held-out tau {row['heldout_tau']:.3f}" if "heldout_tau" in row else "")
-              + (f" (replayed {row['heldout_walk_tau']:.3f})" if "heldout_walk_tau" in row else ""), flush=True)
+              + (f" (replayed {row['heldout_walk_tau']:.3f})" if "heldout_walk_tau" in row else "")
+              + "".join(f" | {k[len('eval_walk_tau_'):]} replayed tau {v:.3f}" for k, v in row.items()
+                        if k.startswith("eval_walk_tau_")), flush=True)
 
     def say(self, msg: str) -> None:
         if self.rank == 0:

@@ -95,6 +95,11 @@ class TrainConfig:
         "help": "also replay greedy speculative rounds along the first N response tokens of those samples and log "
                 "that tau (tokens per round, as an engine rollout counts it; the teacher-forced tau averages over "
                 "positions and flatters a drafter that is good only where drafting is easy); 0 = off"})
+    eval_data: Path | None = field(default=None, metadata={
+        "help": "a finished disk store of the target's greedy responses to OTHER prompts (e.g. the benchmarks: "
+                "jobs.generate + jobs.extract on them), same layers as --data: every held-out evaluation also "
+                "measures tau on up to --eval-samples of its samples per source file (metrics eval_tau_<file> and "
+                "eval_walk_tau_<file>), so the learning curve shows the domain the drafter is meant for"})
     log_every: int = field(default=5, metadata={"help": "log metrics every N steps"})
     backend: str = field(default="ray", metadata={
         "help": "ray: Ray Train TorchTrainer over --workers workers (an existing cluster or a local ray.init()); "
@@ -161,6 +166,9 @@ class TrainConfig:
         if self.prompts and (self.backend != "local" or self.store != "disk"):
             raise ValueError("--prompts runs stages 1-2 in this process into a disk store: it needs --backend local "
                              "and --store disk (with Ray: jobs.generate, then jobs.extract)")
+        if self.eval_data is not None and not (Path(self.eval_data) / "manifest.json").is_file():
+            raise ValueError(f"--eval-data {self.eval_data}: not a finished disk store (no manifest.json; build it "
+                             "with jobs.generate + jobs.extract on the evaluation prompts)")
         if self.backend == "ray" and self.device != "auto":
             raise ValueError("--device is for --backend local; Ray Train workers get their device from "
                              "--gpus-per-worker")
@@ -170,12 +178,14 @@ class TrainConfig:
 
     def to_plan(self) -> dict:
         """The config as plain JSON values (what plan() hands the workers; `from_plan` reverses it)."""
-        paths = {"data": str(self.data), "out": str(self.out), "prompts": [str(p) for p in self.prompts]}
+        paths = {"data": str(self.data), "out": str(self.out), "prompts": [str(p) for p in self.prompts],
+                 "eval_data": None if self.eval_data is None else str(self.eval_data)}
         return asdict(self) | paths
 
     @classmethod
     def from_plan(cls, values: dict) -> "TrainConfig":
-        paths = {"data": Path, "out": Path, "prompts": lambda v: [Path(p) for p in v]}
+        paths = {"data": Path, "out": Path, "prompts": lambda v: [Path(p) for p in v],
+                 "eval_data": lambda v: None if v is None else Path(v)}
         return cls(**{k: paths.get(k, lambda x: x)(v) for k, v in values.items()})
 
     @property
@@ -375,6 +385,24 @@ def heldout_eval_ids(holdout_ids: list[str], n: int) -> list[str]:
     return subsample(sorted(holdout_ids), n)
 
 
+def eval_store_samples(cfg: TrainConfig, layer_ids: list[int]) -> dict[str, list[dict]]:
+    """--eval-data's samples by source file ({tag: [sample]}, ids "<tag>:<line>"), at most --eval-samples per file
+    (a fixed seeded subset).  A store extracted at other layers than the training data is an error naming both."""
+    store = DiskHiddenStore(cfg.eval_data)
+    try:
+        manifest = store.manifest()
+        if list(manifest.get("layer_ids") or []) != list(layer_ids):
+            raise ValueError(f"--eval-data {cfg.eval_data} holds layers {manifest.get('layer_ids')}, the training "
+                             f"data {list(layer_ids)}: extract it with --layer-ids {','.join(map(str, layer_ids))}")
+        by_tag: dict[str, list[str]] = {}
+        for sid in manifest["sample_ids"]:
+            by_tag.setdefault(sid.rsplit(":", 1)[0], []).append(sid)
+        return {tag: [store.get(i) for i in subsample(sorted(ids), cfg.eval_samples)]
+                for tag, ids in sorted(by_tag.items())}
+    finally:
+        store.close()
+
+
 @contextmanager
 def evaluating(model):
     """Measure a drafter in the middle of training: eval mode, its packed weight copies dropped (the fused AdamW steps
@@ -535,12 +563,20 @@ def training_seconds(metrics_path: Path) -> dict[int, float]:
     return out
 
 
-def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = None, x: str = "positions") -> bool:
+def walk_key(key: str) -> str:
+    """The replayed-rounds metric beside a teacher-forced one: heldout_tau -> heldout_walk_tau, eval_tau_<file> ->
+    eval_walk_tau_<file>."""
+    return key.replace("_tau", "_walk_tau", 1)
+
+
+def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = None, x: str = "positions",
+                         key: str = "heldout_tau") -> bool:
     """Held-out greedy tau against supervised positions seen (x="seconds": training seconds), one colour per run
-    {label: metrics.jsonl}: the teacher-forced tau solid, the replayed rounds' tau (where logged) dashed.  Returns
-    False (no file written) when no run has held-out evaluations."""
-    curves = {k: read_learning_curve(v, x=x) for k, v in runs.items()}
-    walks = {k: read_learning_curve(v, "heldout_walk_tau", x=x) for k, v in runs.items()}
+    {label: metrics.jsonl}: the teacher-forced tau solid, the replayed rounds' tau (where logged) dashed.  key:
+    heldout_tau, or eval_tau_<file> for --eval-data's.  Returns False (no file written) when no run has that
+    metric."""
+    curves = {k: read_learning_curve(v, key, x=x) for k, v in runs.items()}
+    walks = {k: read_learning_curve(v, walk_key(key), x=x) for k, v in runs.items()}
     curves = {k: c for k, c in curves.items() if c}
     if not curves:
         return False
@@ -556,7 +592,8 @@ def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = N
             ax.plot([x for x, _ in walks[label]], [y for _, y in walks[label]], marker="o", ms=3, ls="--",
                     color=line.get_color(), label=f"{label} (replayed rounds)")
     ax.set_xlabel("supervised positions seen" if x == "positions" else "training seconds (evaluations left out)")
-    ax.set_ylabel("held-out greedy tau (depth gamma)")
+    ax.set_ylabel("held-out greedy tau (depth gamma)" if key == "heldout_tau"
+                  else f"greedy tau on {key.removeprefix('eval_tau_')} (depth gamma)")
     ax.set_title(title or "learning curve")
     ax.grid(alpha=0.3)
     ax.legend()

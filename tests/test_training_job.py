@@ -95,6 +95,55 @@ def test_train_init_layers_from_target(tiny_setup, tmp_path):
             assert (float(diff) < 1e-3) == near, (run, j, float(diff))
 
 
+def test_train_eval_data_curves_per_source_file(tiny_setup, tmp_path, capsys):
+    """--eval-data: a second store (responses to other prompts, two source files) is measured at every held-out
+    evaluation, per file, with both taus; the learning-curve benchmark reads them (--key eval_tau_<file>); a store
+    of other layers, or one without a manifest, is refused with the reason."""
+    from transformers import AutoModelForCausalLM
+
+    from jobs.bench.learning_curves import run as curves_run
+    from pipeline.hf_extractor import HFExtractor
+    from pipeline.stores.disk import DiskHiddenStore
+
+    def eval_store(folder, layers):
+        ex = HFExtractor(tiny_setup / "target", layers)
+        store = DiskHiddenStore(folder)
+        g = torch.Generator().manual_seed(7)
+        for tag in ("alpha", "beta"):
+            for i in range(3):
+                ids = torch.randint(3, 256, (30,), generator=g).tolist()
+                aux, last = ex.extract(ids)
+                store.put(f"{tag}:{i}", {"input_ids": torch.tensor(ids, dtype=torch.int32), "aux_hidden": aux,
+                                         "loss_mask": torch.tensor([0] * 8 + [1] * 22, dtype=torch.uint8),
+                                         "last_hidden": last})
+        store.commit({"layer_ids": layers, "target": str(tiny_setup / "target")})
+        return folder
+
+    good = eval_store(tmp_path / "bench", [1, 2, 4])
+    main(_args(tiny_setup, tmp_path / "run", "--backend", "local", "--device", "cpu", "--max-steps", "2",
+               "--eval-data", str(good)))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_tau_alpha" in r]
+    assert [r["step"] for r in evals] == [2]
+    for key in ("eval_tau_alpha", "eval_tau_beta", "eval_walk_tau_alpha", "eval_walk_tau_beta"):
+        assert 1.0 <= evals[0][key] <= 8.0, key
+    assert "beta replayed tau" in capsys.readouterr().out
+
+    class A:  # the benchmark's parsed arguments
+        runs, png, title, x, key = [f"r={tmp_path / 'run'}"], tmp_path / "c.png", None, "positions", "eval_tau_beta"
+    got = curves_run(A, None)["runs"]["r"]
+    assert got["eval_tau_beta"][0][1] == pytest.approx(evals[0]["eval_tau_beta"]) and (tmp_path / "c.png").is_file()
+    assert got["eval_walk_tau_beta"][0][1] == pytest.approx(evals[0]["eval_walk_tau_beta"])
+
+    other = eval_store(tmp_path / "other", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"holds layers \[1, 2, 3\].*--layer-ids 1,2,4"):
+        main(_args(tiny_setup, tmp_path / "bad", "--backend", "local", "--device", "cpu", "--max-steps", "2",
+                   "--eval-data", str(other)))
+    with pytest.raises(SystemExit) as e:
+        main(_args(tiny_setup, tmp_path / "bad2", "--eval-data", str(tmp_path / "nothing")))
+    assert e.value.code == 2 and "not a finished disk store" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_on_a_gpu_worker(ray_session, tiny_setup, tmp_path):
     """--gpus-per-worker 1: a Ray Train GPU worker (use_gpu, NCCL process group, bf16 autocast) trains, checkpoints,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.training import plot_learning_curves, read_learning_curve
+from pipeline.training import plot_learning_curves, read_learning_curve, walk_key
 
 NAME = "learning_curves"
 HELP = "plot (and print) held-out tau vs supervised positions seen for one or more training runs"
@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--title", default=None)
     p.add_argument("--x", choices=["positions", "seconds"], default="positions",
                    help="x axis: supervised positions seen, or training seconds (evaluations left out)")
+    p.add_argument("--key", default="heldout_tau",
+                   help="the curve: heldout_tau (the run's held-out split) or eval_tau_<file> (jobs.train "
+                        "--eval-data's samples from that prompt file, e.g. eval_tau_gsm8k)")
 
 
 def run(a, harness) -> dict:
@@ -38,16 +41,17 @@ def run(a, harness) -> dict:
             raise SystemExit(f"{label}: no metrics file at {runs[label]}")
     curves = {}
     for label, path in runs.items():
-        walk = dict(read_learning_curve(path, "heldout_walk_tau", x=a.x))  # {positions seen | seconds: replayed tau}
-        curve = read_learning_curve(path, x=a.x)
+        walk = dict(read_learning_curve(path, walk_key(a.key), x=a.x))  # {positions seen | seconds: replayed tau}
+        curve = read_learning_curve(path, a.key, x=a.x)
         fmt = (lambda v: f"{v / 1e6:.3f}M") if a.x == "positions" else (lambda v: f"{v:.0f}s")
         points = [f"{fmt(x)} -> {t:.3f}" + (f" (replayed {walk[x]:.3f})" if x in walk else "") for x, t in curve]
         print(f"{label}: " + ", ".join(points))
-        curves[label] = {"metrics": str(path), "x": a.x, "heldout_tau": [[x, t] for x, t in curve],
-                         "heldout_walk_tau": [[x, t] for x, t in walk.items()]}
+        curves[label] = {"metrics": str(path), "x": a.x, a.key: [[x, t] for x, t in curve],
+                         walk_key(a.key): [[x, t] for x, t in walk.items()]}
     png = a.png or harness.out_dir / "learning_curves.png"
     png.parent.mkdir(parents=True, exist_ok=True)
-    if not plot_learning_curves(runs, png, a.title, x=a.x):
-        raise SystemExit("no run has held-out tau rows (train with --eval-every > 0)")
+    if not plot_learning_curves(runs, png, a.title, x=a.x, key=a.key):
+        raise SystemExit(f"no run has {a.key} rows (train with --eval-every > 0"
+                         + (", and --eval-data for eval_tau_<file>)" if a.key != "heldout_tau" else ")"))
     print(f"wrote {png}")
     return {"png": str(png), "runs": curves}
