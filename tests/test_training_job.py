@@ -135,6 +135,18 @@ def test_train_eval_data_curves_per_source_file(tiny_setup, tmp_path, capsys):
     assert got["eval_tau_beta"][0][1] == pytest.approx(evals[0]["eval_tau_beta"]) and (tmp_path / "c.png").is_file()
     assert got["eval_walk_tau_beta"][0][1] == pytest.approx(evals[0]["eval_walk_tau_beta"])
 
+    # jobs.bench heldout_tau --data: the exported drafter on the same store gives the last evaluation's numbers
+    from jobs.bench.harness import Harness
+    from jobs.bench.heldout_tau import run as tau_run
+
+    class B:
+        drafters, split_of, data, blocks, walk_tokens, limit = ([f"r={tmp_path / 'run' / 'drafter'}"], None, good,
+                                                                64, 128, 0)
+    res = tau_run(B, Harness("heldout_tau", tmp_path / "tau", ["t"]))["drafters"]["r"]
+    for tag in ("alpha", "beta"):
+        assert res[tag]["tau"] == pytest.approx(evals[0][f"eval_tau_{tag}"], rel=1e-5)
+        assert res["walk"][tag] == pytest.approx(evals[0][f"eval_walk_tau_{tag}"], rel=1e-5)
+
     other = eval_store(tmp_path / "other", [1, 2, 3])
     with pytest.raises(ValueError, match=r"holds layers \[1, 2, 3\].*--layer-ids 1,2,4"):
         main(_args(tiny_setup, tmp_path / "bad", "--backend", "local", "--device", "cpu", "--max-steps", "2",

@@ -8,6 +8,12 @@ that run trained from.  jobs.train holds a sample out by a hash of its id, so ru
 resumed to more prompts) share their held-out samples and their drafters can be compared on the larger split; the
 benchmark refuses a drafter whose own run (its parent folder's plan.json) trained on any of them.
 
+Or --data STORE: the samples of another store, per source file, e.g. the target's greedy responses to the
+benchmark prompts (jobs.generate + jobs.extract on eval/*.jsonl); --walk-tokens 128 then gives the tau a greedy
+fp32 jobs.evaluate rollout of 128 new tokens counts, at a fraction of its cost:
+
+    python -m jobs.bench heldout_tau --data work/bench_hidden --walk-tokens 128 a=work/a/drafter b=work/b/drafter
+
 tau is the training curve's measure (pipeline.training.teacher_forced_tau: greedy, full depth, true
 predecessors, up to --blocks evenly spaced blocks per sample) on ALL held-out samples, not the curve's subset,
 computed with the exported checkpoint (the weights that are served).  Prints one row per drafter; the numbers go
@@ -22,6 +28,7 @@ import torch
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.evaluation import load_heldout_suites
 from pipeline.stores import open_hidden_store
+from pipeline.subsets import subsample
 from pipeline.target_model import resolve_target
 from pipeline.training import greedy_walk_tau, teacher_forced_tau
 
@@ -31,7 +38,11 @@ HELP = "teacher-forced (and replayed) held-out tau of exported drafters on one t
 
 def add_arguments(p) -> None:
     p.add_argument("drafters", nargs="+", help="LABEL=DRAFTER_FOLDER (an exported checkpoint)")
-    p.add_argument("--split-of", type=Path, required=True, help="training run folder whose held-out split is used")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--split-of", type=Path, help="training run folder whose held-out split is used")
+    src.add_argument("--data", type=Path,
+                     help="or: a disk store of the target's greedy responses to other prompts (jobs.generate + "
+                          "jobs.extract on e.g. the benchmark files), measured per source file")
     p.add_argument("--blocks", type=int, default=64, help="blocks per sample (default: 64, as training)")
     p.add_argument("--walk-tokens", type=int, default=0,
                    help="also replay greedy rounds over the first N response tokens of each sample and print that "
@@ -57,25 +68,47 @@ def parse_drafters(specs: list[str], hold: list[str]) -> dict[str, Path]:
     return drafters
 
 
+def store_samples_by_file(folder: Path, limit: int) -> tuple[dict[str, list[str]], dict]:
+    """A finished disk store's sample ids grouped by source file ("<file>:<line>"), each cut to `limit` (a seeded
+    subset; 0 = all) -> ({file: ids}, manifest)."""
+    store = open_hidden_store("disk", folder)
+    try:
+        manifest = store.manifest()
+    except Exception as e:
+        raise SystemExit(f"--data {folder}: not a finished hidden-state store ({e})")
+    finally:
+        store.close()
+    by_tag: dict[str, list[str]] = {}
+    for sid in manifest["sample_ids"]:
+        by_tag.setdefault(sid.rsplit(":", 1)[0], []).append(sid)
+    return {t: subsample(sorted(ids), limit or len(ids)) for t, ids in sorted(by_tag.items())}, manifest
+
+
 def run(a, harness) -> dict:
-    plan_path = a.split_of / "plan.json"
-    if not plan_path.is_file():
-        raise SystemExit(f"--split-of {a.split_of}: not a training run folder (plan.json missing)")
-    plan = json.loads(plan_path.read_text())
-    hold = sorted(plan.get("holdout_ids") or [])
-    if not hold:
-        raise SystemExit(f"{plan_path} has no held-out samples")
+    if a.data is not None:  # another store: its samples per source file, none of them trained on
+        by_tag, manifest = store_samples_by_file(a.data, a.limit)
+        hold, data, source = sorted(manifest["sample_ids"]), a.data, f"--data {a.data}"
+        target_path = manifest.get("target")
+    else:
+        plan_path = a.split_of / "plan.json"
+        if not plan_path.is_file():
+            raise SystemExit(f"--split-of {a.split_of}: not a training run folder (plan.json missing)")
+        plan = json.loads(plan_path.read_text())
+        hold = sorted(plan.get("holdout_ids") or [])
+        if not hold:
+            raise SystemExit(f"{plan_path} has no held-out samples")
+        # grouped per prompt file (and with --limit cut) exactly as `jobs.evaluate --heldout-of` does
+        by_tag = {suite.removeprefix("heldout-"): [r["id"] for r in rows]
+                  for suite, rows in load_heldout_suites(a.split_of, None, a.limit or len(hold))}
+        data, source, target_path = plan["config"]["data"], str(a.split_of), plan.get("target")
     drafters = parse_drafters(a.drafters, hold)
-    store = open_hidden_store("disk", plan["config"]["data"])
-    # grouped per prompt file (and with --limit cut) exactly as `jobs.evaluate --heldout-of` does
-    by_tag = {suite.removeprefix("heldout-"): [r["id"] for r in rows]
-              for suite, rows in load_heldout_suites(a.split_of, None, a.limit or len(hold))}
+    store = open_hidden_store("disk", data)
     hold = [sid for ids in by_tag.values() for sid in ids]
     samples = {sid: store.get(sid) for sid in hold}
-    target = resolve_target(plan.get("target"))
+    target = resolve_target(target_path)
     result = {}
     tags = sorted(by_tag)
-    print(f"{len(hold)} held-out samples of {a.split_of}: " + ", ".join(f"{t} {len(by_tag[t])}" for t in tags))
+    print(f"{len(hold)} held-out samples of {source}: " + ", ".join(f"{t} {len(by_tag[t])}" for t in tags))
     print("drafter".ljust(24) + "".join(t[:14].rjust(15) for t in tags) + "all".rjust(9))
     rows = []
     for label, path in drafters.items():
@@ -102,6 +135,6 @@ def run(a, harness) -> dict:
                   + f"{w_all:9.3f}", flush=True)
             rows.append([label, f"walk {a.walk_tokens} tokens"] + [f"{walk[t]['tau']:.3f}" for t in tags]
                         + [f"{w_all:.3f}"])
-    harness.table(f"held-out tau on {len(hold)} samples of {a.split_of}", ["drafter", "measure"] + tags + ["all"],
-                  rows)
-    return dict(split_of=str(a.split_of), samples=len(hold), drafters=result)
+    harness.table(f"held-out tau on {len(hold)} samples of {source}", ["drafter", "measure"] + tags + ["all"], rows)
+    return dict(split_of=None if a.split_of is None else str(a.split_of),
+                data=None if a.data is None else str(a.data), samples=len(hold), drafters=result)
