@@ -17,3 +17,12 @@ def subsample(rows: list, limit: int) -> list:
     rows = list(rows)
     random.Random(EVAL_SEED).shuffle(rows)
     return rows[:limit]
+
+
+def by_source_file(ids: list[str], limit: int = 0) -> dict[str, list[str]]:
+    """Request / sample ids ("<file>:<line>") grouped by their source file, files in sorted order; each group sorted,
+    then cut to `limit` with `subsample` (0 = all)."""
+    groups: dict[str, list[str]] = {}
+    for sid in ids:
+        groups.setdefault(sid.rsplit(":", 1)[0], []).append(sid)
+    return {tag: subsample(sorted(g), limit or len(g)) for tag, g in sorted(groups.items())}

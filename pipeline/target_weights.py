@@ -60,23 +60,19 @@ def load_target_layers(target, count: int) -> dict[str, torch.Tensor]:
     """The target's last `count` decoder layers and its final norm, keyed by the drafter's parameter names:
     target layer L-count+j's ``model.layers.{L-count+j}.<rest>`` becomes ``layers.{j}.<rest>`` and ``model.norm.weight``
     becomes ``norm.weight`` (fp32 copies).  `target`: a transformers causal LM or a local HF folder."""
+    state = None  # a module's tensors; a folder's are read below, only the wanted ones
     if isinstance(target, torch.nn.Module):
         L = int(target.config.num_hidden_layers)
         state = {k: v.detach() for k, v in target.state_dict().items()}
-        names = list(state)
     else:
         folder = Path(target)
         cfg = json.loads((folder / CONFIG_NAME).read_text())
         cfg = cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
         L = int(cfg["num_hidden_layers"])
-        names, state = None, None
     if not 1 <= count <= L:
         raise TargetWeightsError(f"cannot initialise {count} drafter layer(s) from a target with {L} decoder layers")
-    first = L - count
-    if state is None:
-        names = _tensor_names(folder)
-    wanted = {}
-    for n in names:
+    first, wanted = L - count, {}
+    for n in (state if state is not None else _weight_files(folder)):
         if n == "model.norm.weight":
             wanted[n] = "norm.weight"
         elif n.startswith("model.layers."):
@@ -91,35 +87,32 @@ def load_target_layers(target, count: int) -> dict[str, torch.Tensor]:
     return {wanted[n]: state[n].float().clone() for n in wanted}
 
 
-def _weight_files(folder: Path) -> dict[str, Path] | Path:
-    """{tensor name: file} from a sharded folder's index, or the single weights file."""
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """{tensor name: safetensors file} of a local HF folder: from a sharded folder's index, or the single file's
+    header."""
+    from safetensors import safe_open
+
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         return {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
     f = folder / WEIGHTS_NAME
     if not f.is_file():
         raise TargetWeightsError(f"target folder {folder} has no {WEIGHTS_NAME} (or index)")
-    return f
-
-
-def _tensor_names(folder: Path) -> list[str]:
-    from safetensors import safe_open
-
-    files = _weight_files(folder)
-    if isinstance(files, dict):
-        return list(files)
-    with safe_open(str(files), framework="pt") as sf:
-        return list(sf.keys())
+    with safe_open(str(f), framework="pt") as sf:
+        return {n: f for n in sf.keys()}
 
 
 def _read_named_tensors(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors the folder holds (names it lacks are left out), each file opened once."""
     from safetensors import safe_open
 
     wmap = _weight_files(folder)
-    files = {n: wmap[n] for n in names if n in wmap} if isinstance(wmap, dict) else {n: wmap for n in names}
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        if n in wmap:
+            by_file.setdefault(wmap[n], []).append(n)
     out = {}
-    for n, f in files.items():
+    for f, in_file in by_file.items():
         with safe_open(str(f), framework="pt") as sf:
-            if n in sf.keys():
-                out[n] = sf.get_tensor(n)
+            out.update({n: sf.get_tensor(n) for n in in_file})
     return out

@@ -131,8 +131,11 @@ class Trainer:
         self.positions_seen = 0  # supervised positions trained on, all ranks, kept across resumes
         self.hold_ids = heldout_eval_ids(plan.get("holdout_ids") or [], cfg.eval_samples)
         self._hold_samples = None  # loaded on first evaluation (rank 0)
-        # --eval-data's samples {source file: [sample]}, loaded now so that a wrong store fails before training
-        self._eval_samples = eval_store_samples(cfg, plan["layer_ids"]) if cfg.eval_data is not None else None
+        # --eval-data's samples {source file: [sample]} on the ranks that evaluate, loaded now so that a wrong store
+        # fails before training
+        evaluates = self.rank == 0 or self.fsdp
+        self._eval_samples = (eval_store_samples(cfg, plan["layer_ids"]) if cfg.eval_data is not None and evaluates
+                              else None)
         state = hooks.load_state(self.device)
         if state is not None:
             self.load_state_dict(state)

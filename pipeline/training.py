@@ -26,7 +26,7 @@ from pipeline.dspark.losses import drafter_loss, weight_sum
 from pipeline.packed_linear import forget_packed
 from pipeline.stores import DiskHiddenStore, open_hidden_store
 from pipeline.stores.base import tensor_from_bytes
-from pipeline.subsets import subsample
+from pipeline.subsets import by_source_file, subsample
 from pipeline.target_model import resolve_target
 
 STATE_FILE = "train_state.pt"
@@ -394,11 +394,8 @@ def eval_store_samples(cfg: TrainConfig, layer_ids: list[int]) -> dict[str, list
         if list(manifest.get("layer_ids") or []) != list(layer_ids):
             raise ValueError(f"--eval-data {cfg.eval_data} holds layers {manifest.get('layer_ids')}, the training "
                              f"data {list(layer_ids)}: extract it with --layer-ids {','.join(map(str, layer_ids))}")
-        by_tag: dict[str, list[str]] = {}
-        for sid in manifest["sample_ids"]:
-            by_tag.setdefault(sid.rsplit(":", 1)[0], []).append(sid)
-        return {tag: [store.get(i) for i in subsample(sorted(ids), cfg.eval_samples)]
-                for tag, ids in sorted(by_tag.items())}
+        return {tag: [store.get(i) for i in ids]
+                for tag, ids in by_source_file(manifest["sample_ids"], cfg.eval_samples).items()}
     finally:
         store.close()
 

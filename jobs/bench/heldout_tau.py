@@ -28,7 +28,7 @@ import torch
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.evaluation import load_heldout_suites
 from pipeline.stores import open_hidden_store
-from pipeline.subsets import subsample
+from pipeline.subsets import by_source_file
 from pipeline.target_model import resolve_target
 from pipeline.training import greedy_walk_tau, teacher_forced_tau
 
@@ -68,27 +68,14 @@ def parse_drafters(specs: list[str], hold: list[str]) -> dict[str, Path]:
     return drafters
 
 
-def store_samples_by_file(folder: Path, limit: int) -> tuple[dict[str, list[str]], dict]:
-    """A finished disk store's sample ids grouped by source file ("<file>:<line>"), each cut to `limit` (a seeded
-    subset; 0 = all) -> ({file: ids}, manifest)."""
-    store = open_hidden_store("disk", folder)
-    try:
-        manifest = store.manifest()
-    except Exception as e:
-        raise SystemExit(f"--data {folder}: not a finished hidden-state store ({e})")
-    finally:
-        store.close()
-    by_tag: dict[str, list[str]] = {}
-    for sid in manifest["sample_ids"]:
-        by_tag.setdefault(sid.rsplit(":", 1)[0], []).append(sid)
-    return {t: subsample(sorted(ids), limit or len(ids)) for t, ids in sorted(by_tag.items())}, manifest
-
-
 def run(a, harness) -> dict:
     if a.data is not None:  # another store: its samples per source file, none of them trained on
-        by_tag, manifest = store_samples_by_file(a.data, a.limit)
-        hold, data, source = sorted(manifest["sample_ids"]), a.data, f"--data {a.data}"
-        target_path = manifest.get("target")
+        if not (a.data / "manifest.json").is_file():  # checked first: opening a store creates its folder
+            raise SystemExit(f"--data {a.data}: not a finished hidden-state store (no manifest.json)")
+        store = open_hidden_store("disk", a.data)
+        manifest = store.manifest()
+        hold, source, target_path = sorted(manifest["sample_ids"]), f"--data {a.data}", manifest.get("target")
+        by_tag = by_source_file(hold, a.limit)
     else:
         plan_path = a.split_of / "plan.json"
         if not plan_path.is_file():
@@ -100,9 +87,9 @@ def run(a, harness) -> dict:
         # grouped per prompt file (and with --limit cut) exactly as `jobs.evaluate --heldout-of` does
         by_tag = {suite.removeprefix("heldout-"): [r["id"] for r in rows]
                   for suite, rows in load_heldout_suites(a.split_of, None, a.limit or len(hold))}
-        data, source, target_path = plan["config"]["data"], str(a.split_of), plan.get("target")
+        source, target_path = str(a.split_of), plan.get("target")
+        store = open_hidden_store("disk", plan["config"]["data"])
     drafters = parse_drafters(a.drafters, hold)
-    store = open_hidden_store("disk", data)
     hold = [sid for ids in by_tag.values() for sid in ids]
     samples = {sid: store.get(sid) for sid in hold}
     target = resolve_target(target_path)
