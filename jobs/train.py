@@ -35,7 +35,7 @@ from pipeline.shards import atomic_write_json
 from pipeline.stores import open_hidden_store
 from pipeline.trainer import train_local
 from pipeline.training import (LOCAL_CHECKPOINTS, TrainConfig, latest_checkpoint, plan, plot_learning_curves,
-                               planned_steps, plot_metrics, split_ids, use_bf16_autocast)
+                               planned_steps, plot_metrics, training_split, use_bf16_autocast)
 
 RUN_NAME = "train"  # Ray Train's run folder under <out>/ray
 CHECKPOINTS_KEPT = 2
@@ -201,7 +201,7 @@ def data_summary(cfg: TrainConfig) -> dict:
     finally:
         store.close()
     ids = list(manifest["sample_ids"])
-    train_ids, hold_ids = split_ids(ids, cfg.holdout_frac)
+    train_ids, hold_ids = training_split(ids, cfg)
     return dict(store=cfg.store, location=where, manifest="found", samples=len(ids), train_samples=len(train_ids),
                 holdout_samples=len(hold_ids), layer_ids=manifest.get("layer_ids"),
                 num_tokens=manifest.get("num_tokens"), seqs_per_step_all_workers=cfg.seqs_per_step * cfg.workers,

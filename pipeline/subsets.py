@@ -26,3 +26,43 @@ def by_source_file(ids: list[str], limit: int = 0) -> dict[str, list[str]]:
     for sid in ids:
         groups.setdefault(sid.rsplit(":", 1)[0], []).append(sid)
     return {tag: subsample(sorted(g), limit or len(g)) for tag, g in sorted(groups.items())}
+
+
+def parse_mix(entries: list[str]) -> dict[str, int | None]:
+    """["gsm8k_train:200", "dolly_partial"] -> {"gsm8k_train": 200, "dolly_partial": None} (None = all of it)."""
+    mix: dict[str, int | None] = {}
+    for entry in entries:
+        tag, sep, count = str(entry).rpartition(":")
+        if not sep:
+            tag, count = str(entry), ""
+        if not tag:
+            raise ValueError(f"--mix {entry!r}: expected SOURCE or SOURCE:COUNT (SOURCE = a prompt file's stem)")
+        if tag in mix:
+            raise ValueError(f"--mix names {tag!r} twice")
+        if count == "":
+            mix[tag] = None
+            continue
+        try:
+            mix[tag] = int(count)
+        except ValueError:
+            raise ValueError(f"--mix {entry!r}: COUNT must be an integer") from None
+        if mix[tag] <= 0:
+            raise ValueError(f"--mix {entry!r}: COUNT must be > 0")
+    return mix
+
+
+def cut_to_mix(ids: list[str], mix: dict[str, int | None]) -> list[str]:
+    """Only the ids of the sources in `mix`, each source cut to its COUNT with `subsample` (the same ids every
+    run); the result in `ids`' order.  A source the ids lack, or one with fewer ids than asked, is an error that
+    lists what there is."""
+    groups = by_source_file(ids)
+    have = ", ".join(f"{t} ({len(g)})" for t, g in groups.items())
+    keep: set[str] = set()
+    for tag, count in mix.items():
+        if tag not in groups:
+            raise ValueError(f"--mix {tag}: no samples from that source; the data holds {have}")
+        if count is not None and count > len(groups[tag]):
+            raise ValueError(f"--mix {tag}:{count}: only {len(groups[tag])} training samples from that source "
+                             f"(the data holds {have})")
+        keep.update(subsample(groups[tag], count or len(groups[tag])))
+    return [i for i in ids if i in keep]

@@ -26,7 +26,7 @@ from pipeline.dspark.losses import drafter_loss, weight_sum
 from pipeline.packed_linear import forget_packed
 from pipeline.stores import DiskHiddenStore, open_hidden_store
 from pipeline.stores.base import tensor_from_bytes
-from pipeline.subsets import by_source_file, subsample
+from pipeline.subsets import by_source_file, cut_to_mix, parse_mix, subsample
 from pipeline.target_model import resolve_target
 
 STATE_FILE = "train_state.pt"
@@ -62,6 +62,11 @@ class TrainConfig:
         "help": "reduced draft vocabulary: the most frequent response tokens covering this fraction"})
     draft_vocab_size: int | None = field(default=None, metadata={
         "help": "explicit draft vocabulary size (overrides coverage); 0 = the full target vocabulary"})
+    mix: list[str] = field(default_factory=list, metadata={
+        "help": "train on part of the store: SOURCE[:COUNT] entries (SOURCE = a prompt file's stem, as in the sample "
+                "ids), only those sources, at most COUNT training samples from each (a fixed seeded subset; a larger "
+                "COUNT keeps the smaller one's samples); held-out samples come from the same sources. For data-mix "
+                "studies on one store; default: every sample"})
     num_anchors: int = field(default=64, metadata={"help": "anchors (blocks) drawn per sequence per visit"})
     seqs_per_step: int = field(default=8, metadata={"help": "sequences per optimizer step per worker"})
     micro_batch: int = field(default=2, metadata={
@@ -166,6 +171,7 @@ class TrainConfig:
         if self.prompts and (self.backend != "local" or self.store != "disk"):
             raise ValueError("--prompts runs stages 1-2 in this process into a disk store: it needs --backend local "
                              "and --store disk (with Ray: jobs.generate, then jobs.extract)")
+        parse_mix(self.mix)  # a malformed entry is a usage error before anything starts
         if self.eval_data is not None and not (Path(self.eval_data) / "manifest.json").is_file():
             raise ValueError(f"--eval-data {self.eval_data}: not a finished disk store (no manifest.json; build it "
                              "with jobs.generate + jobs.extract on the evaluation prompts)")
@@ -221,6 +227,18 @@ def split_ids(ids: list[str], frac: float) -> tuple[list[str], list[str]]:
         train, hold = [i for i in ids if i != first], [first]
     if not train:
         raise ValueError(f"no training samples left after holding out {frac:.0%} of {len(ids)}")
+    return train, hold
+
+
+def training_split(ids: list[str], cfg: TrainConfig) -> tuple[list[str], list[str]]:
+    """(train, held out) of a store's sample ids: `split_ids` by --holdout-frac, then --mix (only its sources; each
+    source's training ids cut to its COUNT)."""
+    train, hold = split_ids(ids, cfg.holdout_frac)
+    if not cfg.mix:
+        return train, hold
+    mix = parse_mix(cfg.mix)
+    train = cut_to_mix(train, mix)
+    hold = [i for i in hold if i.rsplit(":", 1)[0] in mix]
     return train, hold
 
 
@@ -642,7 +660,7 @@ def plan(cfg: TrainConfig) -> dict:
     store = open_store(cfg)
     manifest = store.manifest()
     ids = list(manifest["sample_ids"])
-    train_ids, hold_ids = split_ids(ids, cfg.holdout_frac)
+    train_ids, hold_ids = training_split(ids, cfg)
     V = json.loads((target / "config.json").read_text())["vocab_size"]
     if cfg.draft_vocab_size == 0:
         draft_ids, report = None, f"draft vocab: full ({V} tokens)"

@@ -201,3 +201,44 @@ def test_local_backend_on_cuda_resumes_and_matches_cpu(tiny_setup, tmp_path):
     on_gpu, on_cpu = losses_by_step(tmp_path / "f"), losses_by_step(tmp_path / "c")
     for step in range(1, 7):
         assert on_gpu[step] == pytest.approx(on_cpu[step], rel=1e-3), step
+
+
+def test_mix_trains_on_chosen_sources_and_counts():
+    """--mix SOURCE[:COUNT]: only those sources, each source's training ids cut to COUNT by a fixed seeded subset (a
+    larger COUNT keeps the smaller one's ids); held-out ids from the same sources; bad entries name the problem."""
+    from pipeline.subsets import cut_to_mix, parse_mix
+    from pipeline.training import TrainConfig, split_ids, training_split
+
+    ids = [f"{tag}:{i}" for tag in ("math", "code", "chat") for i in range(1, 41)]
+    assert parse_mix(["math:10", "chat"]) == {"math": 10, "chat": None}
+    small = cut_to_mix(ids, {"math": 5, "chat": 3})
+    assert sum(i.startswith("math:") for i in small) == 5 and sum(i.startswith("chat:") for i in small) == 3
+    assert not any(i.startswith("code:") for i in small)
+    assert set(small) < set(cut_to_mix(ids, {"math": 10, "chat": 6}))  # nested: shares differ only by count
+    assert small == [i for i in ids if i in set(small)]  # the store's order is kept
+    assert small != [i for i in ids if i.startswith("math:")][:5] + [i for i in ids if i.startswith("chat:")][:3]
+
+    cfg = TrainConfig(mix=["code:12", "chat"], holdout_frac=0.1)
+    train, hold = training_split(ids, cfg)
+    all_train, all_hold = split_ids(ids, 0.1)
+    assert sum(i.startswith("code:") for i in train) == 12
+    assert {i for i in train if i.startswith("chat:")} == {i for i in all_train if i.startswith("chat:")}
+    assert set(hold) == {i for i in all_hold if not i.startswith("math:")} and hold
+    assert not set(train) & set(hold)
+
+    for bad, says in ((["math:0"], "COUNT must be > 0"), (["math:x"], "COUNT must be an integer"),
+                      (["math", "math:3"], "names 'math' twice"), ([":3"], "expected SOURCE")):
+        with pytest.raises(ValueError, match=says):
+            TrainConfig(mix=bad)
+    with pytest.raises(ValueError, match=r"--mix poetry: no samples from that source; the data holds chat \(40\)"):
+        cut_to_mix(ids, {"poetry": 1})
+    with pytest.raises(ValueError, match="--mix math:41: only 40 training samples"):
+        cut_to_mix(ids, {"math": 41})
+
+
+def test_dry_run_counts_the_mix(tiny_setup, tmp_path, capsys):
+    """The dry run's data summary is the mixed data set's (the tiny store's ids s0..s11 are each their own source)."""
+    data = main(_dry_args(tiny_setup, tmp_path / "run", "--mix", "s0", "s1", "s2", "s3", "--holdout-frac", "0",
+                          "--epochs", "1"))["data"]
+    capsys.readouterr()
+    assert data["train_samples"] == 4 and data["holdout_samples"] == 0 and data["total_steps"] == 2
