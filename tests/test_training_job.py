@@ -147,6 +147,23 @@ def test_train_eval_data_curves_per_source_file(tiny_setup, tmp_path, capsys):
         assert res[tag]["tau"] == pytest.approx(evals[0][f"eval_tau_{tag}"], rel=1e-5)
         assert res["walk"][tag] == pytest.approx(evals[0][f"eval_walk_tau_{tag}"], rel=1e-5)
 
+    # jobs.bench domain_share: the same taus, against each suite's domain share of the run's training samples
+    from jobs.bench.domain_share import run as share_run
+
+    train_ids = json.loads((tmp_path / "run" / "plan.json").read_text())["train_ids"]
+
+    class C:
+        runs, data, walk_tokens, blocks, limit, png = [f"r={tmp_path / 'run'}"], good, 128, 64, 0, tmp_path / "s.png"
+        domain = ["alpha=s0,s1,nowhere", "beta=" + ",".join(train_ids)]
+    row = share_run(C, Harness("domain_share", tmp_path / "share", ["t"]))["runs"][0]
+    assert row["share"] == pytest.approx({"alpha": len({"s0", "s1"} & set(train_ids)) / len(train_ids), "beta": 1.0})
+    for tag in ("alpha", "beta"):
+        assert row["walk_tau"][tag] == pytest.approx(evals[0][f"eval_walk_tau_{tag}"], rel=1e-5)
+    assert (tmp_path / "s.png").stat().st_size > 0
+    C.domain = ["gamma=s0"]
+    with pytest.raises(SystemExit, match="no such suite in --data"):
+        share_run(C, Harness("domain_share", tmp_path / "share", ["t"]))
+
     other = eval_store(tmp_path / "other", [1, 2, 3])
     with pytest.raises(ValueError, match=r"holds layers \[1, 2, 3\].*--layer-ids 1,2,4"):
         main(_args(tiny_setup, tmp_path / "bad", "--backend", "local", "--device", "cpu", "--max-steps", "2",
