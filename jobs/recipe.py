@@ -38,7 +38,7 @@ class RecipeConfig:
     max_new_tokens: int = field(default=256, metadata={"help": "response length cap of the training data"})
     temperature: float = temperature_field("of the training responses")
     gen_batch: int = field(default=96, metadata={
-        "help": "prompts per vLLM generate call in stage 1 (a 2-core CPU measured 96 at 1.46x the tok/s of 16, "
+        "help": "prompts per vLLM generate call in stage 1 (a 2-core CPU measured 96 at 1.47x the tok/s of 16, "
                 "docs/results/data_stages.md)"})
     probe_prompts: int = field(default=32, metadata={"help": "prompts answered first to measure stage-1 speed"})
     eval_prompts: int = field(default=16, metadata={"help": "prompts per evaluation suite"})

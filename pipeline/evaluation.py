@@ -26,7 +26,7 @@ from pipeline.sampling import SamplingParams
 from pipeline.scheduler import SCHEDULERS, CostTable
 from pipeline.shards import atomic_write_json
 from pipeline.sts_rollouts import full_length_rounds, heldout_rows
-from pipeline.subsets import subsample
+from pipeline.subsets import source_of, subsample
 from pipeline.target_model import resolve_target
 from pipeline.target_runner import LINEAR_BACKENDS, TargetRunner
 
@@ -111,7 +111,7 @@ def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> 
     "<file tag>:<line>"), each subsampled like a benchmark file: [("heldout-<tag>", [{id, prompt_ids}])]."""
     by_tag: dict[str, list[dict]] = {}
     for rid, ids in heldout_rows(train_dir, responses):
-        by_tag.setdefault(rid.rsplit(":", 1)[0], []).append({"id": rid, "prompt_ids": ids})
+        by_tag.setdefault(source_of(rid), []).append({"id": rid, "prompt_ids": ids})
     return [(f"heldout-{tag}", subsample(rows, limit)) for tag, rows in sorted(by_tag.items())]
 
 

@@ -19,12 +19,17 @@ def subsample(rows: list, limit: int) -> list:
     return rows[:limit]
 
 
+def source_of(sample_id: str) -> str:
+    """The prompt file tag of a request / sample id ("<file>:<line>" -> "<file>")."""
+    return sample_id.rsplit(":", 1)[0]
+
+
 def by_source_file(ids: list[str], limit: int = 0) -> dict[str, list[str]]:
     """Request / sample ids ("<file>:<line>") grouped by their source file, files in sorted order; each group sorted,
     then cut to `limit` with `subsample` (0 = all)."""
     groups: dict[str, list[str]] = {}
     for sid in ids:
-        groups.setdefault(sid.rsplit(":", 1)[0], []).append(sid)
+        groups.setdefault(source_of(sid), []).append(sid)
     return {tag: subsample(sorted(g), limit or len(g)) for tag, g in sorted(groups.items())}
 
 

@@ -26,7 +26,7 @@ from pipeline.dspark.losses import drafter_loss, weight_sum
 from pipeline.packed_linear import forget_packed
 from pipeline.stores import DiskHiddenStore, open_hidden_store
 from pipeline.stores.base import tensor_from_bytes
-from pipeline.subsets import by_source_file, cut_to_mix, parse_mix, subsample
+from pipeline.subsets import by_source_file, cut_to_mix, parse_mix, source_of, subsample
 from pipeline.target_model import resolve_target
 
 STATE_FILE = "train_state.pt"
@@ -238,7 +238,7 @@ def training_split(ids: list[str], cfg: TrainConfig) -> tuple[list[str], list[st
         return train, hold
     mix = parse_mix(cfg.mix)
     train = cut_to_mix(train, mix)
-    hold = [i for i in hold if i.rsplit(":", 1)[0] in mix]
+    hold = [i for i in hold if source_of(i) in mix]
     return train, hold
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from jobs.bench.heldout_tau import open_suites
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.stores import open_hidden_store
 from pipeline.subsets import by_source_file
 from pipeline.target_model import resolve_target
 from pipeline.training import greedy_walk_tau, teacher_forced_tau
@@ -86,13 +86,9 @@ def plot(rows: list[dict], suites: list[str], png: Path) -> None:
 
 
 def run(a, harness) -> dict:
-    if not (a.data / "manifest.json").is_file():  # checked first: opening a store creates its folder
-        raise SystemExit(f"--data {a.data}: not a finished hidden-state store (no manifest.json)")
     if a.walk_tokens <= 0:
         raise SystemExit(f"--walk-tokens must be > 0, got {a.walk_tokens}")
-    store = open_hidden_store("disk", a.data)
-    manifest = store.manifest()
-    by_tag = by_source_file(sorted(manifest["sample_ids"]), a.limit)
+    store, manifest, by_tag = open_suites(a.data, a.limit)
     suites = sorted(by_tag)
     domains = parse_domains(a.domain, suites)
     suites = [s for s in suites if s in domains]

@@ -68,14 +68,20 @@ def parse_drafters(specs: list[str], hold: list[str]) -> dict[str, Path]:
     return drafters
 
 
+def open_suites(data: Path, limit: int = 0):
+    """A finished disk store of responses to other prompts (e.g. the benchmarks) -> (store, manifest, {source file:
+    sample ids}), each file's ids cut to `limit` with the fixed seeded subset (0 = all)."""
+    if not (data / "manifest.json").is_file():  # checked first: opening a store creates its folder
+        raise SystemExit(f"--data {data}: not a finished hidden-state store (no manifest.json)")
+    store = open_hidden_store("disk", data)
+    manifest = store.manifest()
+    return store, manifest, by_source_file(sorted(manifest["sample_ids"]), limit)
+
+
 def run(a, harness) -> dict:
     if a.data is not None:  # another store: its samples per source file, none of them trained on
-        if not (a.data / "manifest.json").is_file():  # checked first: opening a store creates its folder
-            raise SystemExit(f"--data {a.data}: not a finished hidden-state store (no manifest.json)")
-        store = open_hidden_store("disk", a.data)
-        manifest = store.manifest()
+        store, manifest, by_tag = open_suites(a.data, a.limit)
         hold, source, target_path = sorted(manifest["sample_ids"]), f"--data {a.data}", manifest.get("target")
-        by_tag = by_source_file(hold, a.limit)
     else:
         plan_path = a.split_of / "plan.json"
         if not plan_path.is_file():
