@@ -39,6 +39,19 @@ def test_help_lists_every_benchmark_without_heavy_imports():
     assert out.stdout.strip() == "[]"
 
 
+def test_domain_share_arguments_parse_in_the_documented_order():
+    # the order its --help shows: one --domain per suite, then the runs
+    import argparse
+
+    from jobs.bench import domain_share
+
+    p = argparse.ArgumentParser()
+    domain_share.add_arguments(p)
+    a = p.parse_args(["--data", "d", "--domain", "gsm8k=gsm8k_train", "--domain", "humaneval=x,y", "m=run_m", "c=run_c"])
+    assert a.domain == ["gsm8k=gsm8k_train", "humaneval=x,y"] and a.runs == ["m=run_m", "c=run_c"]
+    assert "--domain gsm8k=gsm8k_train --domain humaneval=" in domain_share.__doc__
+
+
 def test_unknown_benchmark_and_malformed_module(tmp_path):
     p = bench("no_such_benchmark")
     assert p.returncode != 0 and "unknown benchmark 'no_such_benchmark'" in p.stderr

@@ -1,14 +1,14 @@
 """Benchmark tau against each benchmark's share of the training data, for drafters trained on different mixes.
 
     python -m jobs.bench domain_share --data work/bench_hidden \\
-        --domain gsm8k=gsm8k_train humaneval=thealgorithms_py_doctest,gpteacher_codegen \\
-                 mt-bench=dolly_partial,hh_rlhf_helpful_test,gpteacher_roleplay \\
+        --domain gsm8k=gsm8k_train --domain humaneval=thealgorithms_py_doctest,gpteacher_codegen \\
+        --domain mt-bench=dolly_partial,hh_rlhf_helpful_test,gpteacher_roleplay \\
         math=work/mix_math code=work/mix_code uniform=work/mix_uniform ...
 
 Each drafter is LABEL=RUN, a jobs.train --out folder (e.g. runs of `jobs.train --mix` on one store): its plan.json
 says which samples it trained on.  --data is a disk store of the target's greedy responses to the benchmark prompts
 (jobs.generate + jobs.extract on eval/*.jsonl), one suite per source file; --domain names, for each suite, the
-training prompt files that are its domain.  For every run and suite this prints the domain's share of the run's
+training prompt files that are its domain (one --domain per suite).  For every run and suite this prints the domain's share of the run's
 training samples and the suite's tau: replayed greedy rounds over --walk-tokens response tokens (what a greedy fp32
 jobs.evaluate rollout counts) and, in results.json, the teacher-forced tau.  The PNG puts tau against share, one
 colour per suite, so whether a benchmark follows its own domain's share (and how steeply) can be seen."""
@@ -33,8 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("runs", nargs="+", help="LABEL=RUN_FOLDER (a jobs.train --out folder with plan.json and drafter/)")
     p.add_argument("--data", type=Path, required=True,
                    help="disk store of the target's greedy responses to the benchmark prompts, one suite per file")
-    p.add_argument("--domain", nargs="+", required=True, metavar="SUITE=SOURCE[,SOURCE...]",
-                   help="the training prompt files (stems, as in sample ids) that make up each suite's domain")
+    p.add_argument("--domain", action="append", required=True, metavar="SUITE=SOURCE[,SOURCE...]",
+                   help="the training prompt files (stems, as in sample ids) that make up a suite's domain; "
+                        "once per suite")
     p.add_argument("--walk-tokens", type=int, default=128, help="response tokens replayed per sample (default 128)")
     p.add_argument("--blocks", type=int, default=64, help="blocks per sample of the teacher-forced tau")
     p.add_argument("--limit", type=int, default=0, help="at most N samples per suite (a fixed seeded subset); 0: all")
