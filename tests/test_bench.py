@@ -178,3 +178,5 @@ def test_learning_curves_against_training_seconds(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "run: 15s -> 1.600, 35s -> 2.000 (replayed 1.800)" in p.stdout
     assert (tmp_path / "c.png").stat().st_size > 0
+    p = bench("learning_curves", f"run={m.parent}", "--key", "heldout_walk_tau", "--out", str(tmp_path / "out"))
+    assert p.returncode != 0 and "--key heldout_walk_tau: name the teacher-forced curve (heldout_tau)" in p.stderr

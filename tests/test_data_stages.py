@@ -68,6 +68,22 @@ def test_generate_real_target(responses, target_dir):
     assert r["response_ids"][:8] == ref.tolist()
 
 
+def test_sampled_generation_when_a_batch_exceeds_one_step(ray_session, target_dir, tmp_path):
+    """Seeded sampling (temperature > 0, one seed per request) on vLLM's CPU build, with a batch whose prompts do not
+    fit one engine step's token budget: with chunked prefill the engine would split a prompt, rewind that request's
+    generator, and a CPU generator cannot rewind ("CPU Generator does not use offset")."""
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} " + "word " * 560}) + "\n" for i in range(8)))
+    cfg = GenerateConfig(prompts=[prompts], out=tmp_path / "out", target=str(target_dir), max_new_tokens=4,
+                         max_model_len=1024, batch_size=8, temperature=0.7, seed=3)
+    m = run_generation(cfg)
+    assert m["complete"] and m["num_rows"] == 8 and m["num_skipped"] == 0
+    rows = list(ShardSet(cfg.out, "request_id").iter_rows())
+    assert sum(len(r["prompt_ids"]) for r in rows) > 4096  # more than one step of vLLM's default CPU budget
+    assert all(1 <= len(r["response_ids"]) <= 4 for r in rows)
+    assert all(len(r["response_ids"]) == 4 for r in rows if r["finish_reason"] == "length")
+
+
 def test_actor_memory_request(ray_session, target_dir):
     """--actor-memory: auto = 1.25 x (weights at the compute precision + vLLM's CPU KV cache + runtime), capped so
     the pool fits the cluster; explicit GiB; bad values name the option.  (The fixtures above ran with auto.)"""

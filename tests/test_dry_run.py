@@ -93,7 +93,7 @@ def test_generate_cpu_layout(target_dir, capsys):
     eng = plan["engine"]
     assert eng["backend"] == "vllm" and eng["device"] == "cpu"
     assert eng["kwargs"] == {"model": str(target_dir), "dtype": dtype, "max_model_len": 1024, "seed": 3,
-                             "enforce_eager": True}
+                             "enforce_eager": True, "enable_chunked_prefill": False}
     assert eng["env"] == {k: v for k, v in actor["runtime_env"]["env_vars"].items() if k != "OMP_NUM_THREADS"}
 
 

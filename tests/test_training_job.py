@@ -85,7 +85,8 @@ def test_train_init_layers_from_target(tiny_setup, tmp_path):
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(tiny_setup / "target")
-    common = ("--backend", "local", "--device", "cpu", "--max-steps", "1", "--eval-every", "0", "--lr", "1e-4")
+    common = ("--backend", "local", "--device", "cpu", "--max-steps", "1", "--eval-every", "0", "--lr", "1e-4",
+              "--num-layers", "2")
     main(_args(tiny_setup, tmp_path / "t", *common, "--init-layers", "target"))
     main(_args(tiny_setup, tmp_path / "r", *common))
     for run, near in (("t", True), ("r", False)):

@@ -30,6 +30,9 @@ def add_arguments(p) -> None:
 
 
 def run(a, harness) -> dict:
+    if "_walk_tau" in a.key:
+        raise SystemExit(f"--key {a.key}: name the teacher-forced curve ({a.key.replace('_walk_tau', '_tau', 1)}); "
+                         "its replayed-rounds curve is drawn beside it, dashed")
     runs = {}
     for spec in a.runs:
         label, sep, path = spec.partition("=")
