@@ -47,7 +47,8 @@ def test_domain_share_arguments_parse_in_the_documented_order():
 
     p = argparse.ArgumentParser()
     domain_share.add_arguments(p)
-    a = p.parse_args(["--data", "d", "--domain", "gsm8k=gsm8k_train", "--domain", "humaneval=x,y", "m=run_m", "c=run_c"])
+    a = p.parse_args(["--data", "d", "--domain", "gsm8k=gsm8k_train", "--domain", "humaneval=x,y",
+                      "m=run_m", "c=run_c"])
     assert a.domain == ["gsm8k=gsm8k_train", "humaneval=x,y"] and a.runs == ["m=run_m", "c=run_c"]
     assert "--domain gsm8k=gsm8k_train --domain humaneval=" in domain_share.__doc__
 

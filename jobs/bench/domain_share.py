@@ -8,9 +8,9 @@
 Each drafter is LABEL=RUN, a jobs.train --out folder (e.g. runs of `jobs.train --mix` on one store): its plan.json
 says which samples it trained on.  --data is a disk store of the target's greedy responses to the benchmark prompts
 (jobs.generate + jobs.extract on eval/*.jsonl), one suite per source file; --domain names, for each suite, the
-training prompt files that are its domain (one --domain per suite).  For every run and suite this prints the domain's share of the run's
-training samples and the suite's tau: replayed greedy rounds over --walk-tokens response tokens (what a greedy fp32
-jobs.evaluate rollout counts) and, in results.json, the teacher-forced tau.  The PNG puts tau against share, one
+training prompt files that are its domain (one --domain per suite).  For every run and suite this prints the
+domain's share of the run's training samples and the suite's tau: replayed greedy rounds over --walk-tokens response
+tokens (what a greedy fp32 jobs.evaluate rollout counts) and, in results.json, the teacher-forced tau.  The PNG puts tau against share, one
 colour per suite, so whether a benchmark follows its own domain's share (and how steeply) can be seen."""
 from __future__ import annotations
 
