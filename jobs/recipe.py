@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config_fields import target_field, temperature_field
-from pipeline.recipe import BudgetSplit, mix_sizes, parse_mix, responses_that_fit, steps_that_fit, write_mix
+from pipeline.recipe import (BudgetSplit, mix_sizes, next_growth, parse_mix, responses_that_fit, steps_that_fit,
+                             write_mix)
 from pipeline.runtime import apply_env, run_job_main
 from pipeline.shards import atomic_write_json
 
@@ -142,6 +143,7 @@ def main(argv=None):
         return m
 
     def generate():
+        t_stage = time.time()
         if state.get("mix_fraction") is None:
             probe = min(1.0, cfg.probe_prompts / available)
             t = time.time()
@@ -151,7 +153,20 @@ def main(argv=None):
             want = responses_that_fit(budget["generate"] - probe_s, rows, probe_s, rows, available)
             state.set(probe_rows=rows, probe_seconds=probe_s, mix_fraction=min(1.0, want / available))
             print(f"[recipe] probe: {rows} responses in {probe_s:.0f} s -> {want} of {available} prompts fit")
-        gen(state.get("mix_fraction"))
+        # rounds: each measures its own rate (the probe's errs low: a partial batch and the engine's start-up)
+        # and grows the mix to what the rest of the budget fits
+        have = len(ShardSet(resp, "request_id").done_ids())
+        while True:
+            t = time.time()
+            m = gen(state.get("mix_fraction"))
+            added, have = m["num_rows"] - have, m["num_rows"]
+            remaining = budget["generate"] - (time.time() - t_stage)
+            want = next_growth(remaining, added, time.time() - t, have, available, cfg.gen_batch)
+            if want is None:
+                break
+            state.set(mix_fraction=min(1.0, want / available))
+            print(f"[recipe] stage 1 round: {added} responses in {time.time() - t:.0f} s, "
+                  f"{remaining / 60:.1f} min left -> {want} of {available} prompts fit")
         state.set(generate_done=True)
 
     run_stage("generate", state.get("generate_done") and ShardSet(resp, "request_id").has_manifest(), generate)

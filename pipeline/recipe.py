@@ -117,6 +117,17 @@ def responses_that_fit(seconds: float, probe_rows: int, probe_seconds: float, al
     return max(already, min(available, already + more))
 
 
+def next_growth(remaining_s: float, rows_added: int, seconds: float, have: int, available: int,
+                min_rows: int) -> int | None:
+    """Stage 1 grows in rounds: after a round that added `rows_added` responses in `seconds` (engine start-up
+    included), the total that fits the `remaining_s` of the stage's budget, or None when fewer than `min_rows` more
+    fit (one generate batch: a smaller round would spend most of its time starting the engine) or none are left."""
+    if have >= available or rows_added <= 0 or seconds <= 0:
+        return None
+    want = responses_that_fit(remaining_s, rows_added, seconds, have, available)
+    return want if want - have >= min(min_rows, available - have) and want > have else None
+
+
 def steps_that_fit(seconds: float, step_seconds: float, drafters: int = 2, minimum: int = 10) -> int:
     """Optimizer steps per drafter: the training budget shared equally by `drafters` runs of equal steps."""
     if step_seconds <= 0:

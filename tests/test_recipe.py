@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pipeline.prompts import read_prompt_files
-from pipeline.recipe import (BudgetSplit, parse_mix, responses_that_fit, steps_that_fit, write_mix)
+from pipeline.recipe import (BudgetSplit, next_growth, parse_mix, responses_that_fit, steps_that_fit, write_mix)
 
 
 def _prompts(path, n, bad_lines=()):
@@ -64,6 +64,14 @@ def test_budget_split_and_sizes():
     assert responses_that_fit(100, 10, 20, 10, 1000) == 60
     assert responses_that_fit(100, 10, 20, 10, 30) == 30
     assert responses_that_fit(-5, 10, 20, 10, 1000) == 10  # the probe used the budget up: keep what is done
+    # stage 1's rounds: 100 responses took 200 s; 600 s left fit 300 more
+    assert next_growth(600, 100, 200, 134, 10_000, min_rows=96) == 434
+    assert next_growth(600, 100, 200, 134, 300, min_rows=96) == 300  # capped by the mix
+    assert next_growth(100, 100, 200, 134, 10_000, min_rows=96) is None  # 50 more: less than a batch
+    assert next_growth(100, 100, 200, 250, 300, min_rows=96) == 300  # the last 50 of the mix: worth a round
+    assert next_growth(600, 100, 200, 300, 300, min_rows=96) is None  # the mix is answered
+    assert next_growth(600, 0, 200, 134, 10_000, min_rows=96) is None  # a round that added nothing ends it
+    assert next_growth(-30, 100, 200, 134, 10_000, min_rows=96) is None  # over budget
     assert steps_that_fit(600, 2.0) == 150 and steps_that_fit(10, 2.0, minimum=10) == 10
     with pytest.raises(ValueError, match="step time"):
         steps_that_fit(600, 0)
