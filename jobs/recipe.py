@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.config_fields import target_field, temperature_field
 from pipeline.recipe import (BudgetSplit, mix_sizes, next_growth, parse_mix, responses_that_fit, steps_that_fit,
-                             write_mix)
+                             training_seconds, write_mix)
 from pipeline.runtime import apply_env, run_job_main
 from pipeline.shards import atomic_write_json
 
@@ -189,7 +189,12 @@ def main(argv=None):
         times = [r["time"] for r in rows if "time" in r]
         step_s = (times[-1] - times[1]) / (len(times) - 2) if len(times) >= 3 else (time.time() - t) / 6
         probe_s = time.time() - t
-        steps = steps_that_fit(budget["train"] - probe_s, step_s, drafters=2, minimum=cfg.min_steps)
+        train_s = training_seconds(budget["train"], sum(stage_seconds.values()), sum(budget.values()),
+                                   budget["calibrate"] + budget["evaluate"])
+        if train_s < budget["train"]:
+            print(f"[recipe] stages 1-2 overran: training gets {train_s / 60:.1f} of its "
+                  f"{budget['train'] / 60:.1f} min")
+        steps = steps_that_fit(train_s - probe_s, step_s, drafters=2, minimum=cfg.min_steps)
         state.set(train_step_seconds=step_s, train_steps=steps)
         print(f"[recipe] training probe: {step_s:.2f} s/step -> {steps} steps per drafter")
 

@@ -128,6 +128,14 @@ def next_growth(remaining_s: float, rows_added: int, seconds: float, have: int, 
     return want if want - have >= min(min_rows, available - have) and want > have else None
 
 
+def training_seconds(planned: float, elapsed: float, total: float, reserved_after: float,
+                     floor_share: float = 0.5) -> float:
+    """The training budget once stages 1-2 are done: the planned share, cut by what they overran (so calibration and
+    evaluation keep theirs and the run ends near its total), but never below `floor_share` of the plan."""
+    left = total - elapsed - reserved_after
+    return max(floor_share * planned, min(planned, left))
+
+
 def steps_that_fit(seconds: float, step_seconds: float, drafters: int = 2, minimum: int = 10) -> int:
     """Optimizer steps per drafter: the training budget shared equally by `drafters` runs of equal steps."""
     if step_seconds <= 0:

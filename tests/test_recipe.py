@@ -4,7 +4,8 @@ import json
 import pytest
 
 from pipeline.prompts import read_prompt_files
-from pipeline.recipe import (BudgetSplit, next_growth, parse_mix, responses_that_fit, steps_that_fit, write_mix)
+from pipeline.recipe import (BudgetSplit, next_growth, parse_mix, responses_that_fit, steps_that_fit,
+                             training_seconds, write_mix)
 
 
 def _prompts(path, n, bad_lines=()):
@@ -72,6 +73,11 @@ def test_budget_split_and_sizes():
     assert next_growth(600, 100, 200, 300, 300, min_rows=96) is None  # the mix is answered
     assert next_growth(600, 0, 200, 134, 10_000, min_rows=96) is None  # a round that added nothing ends it
     assert next_growth(-30, 100, 200, 134, 10_000, min_rows=96) is None  # over budget
+    # training absorbs what stages 1-2 overran, down to half its planned share
+    assert training_seconds(1800, elapsed=2600, total=6300, reserved_after=1800) == 1800  # on time
+    assert training_seconds(1800, elapsed=3600, total=6300, reserved_after=1800) == 900  # 1000 s over: half left
+    assert training_seconds(1800, elapsed=3400, total=6300, reserved_after=1800) == 1100
+    assert training_seconds(1800, elapsed=6000, total=6300, reserved_after=1800) == 900  # never below the floor
     assert steps_that_fit(600, 2.0) == 150 and steps_that_fit(10, 2.0, minimum=10) == 10
     with pytest.raises(ValueError, match="step time"):
         steps_that_fit(600, 0)
