@@ -6,9 +6,11 @@ STS calibration -> evaluation, in one command, inside a wall-clock budget.
         --benchmarks eval/gsm8k.jsonl eval/humaneval.jsonl eval/mt-bench.jsonl
 
 The budget is split over the stages by fixed fractions (--split-*).  Stage 1 first answers a small probe of every
-source, measures responses per second, then grows every source's share to what fits (a source's prompts are a
-seeded shuffle cut to its share, so growing keeps every answered request id and resumes).  Training runs a short
-probe to measure seconds per step, then trains both drafters for the same number of steps.  Every stage is the
+source, measures responses per second, then grows every source's share to what fits, in rounds that each measure
+their own rate, until less than one batch more fits (a source's prompts are a seeded shuffle cut to its share, so
+growing keeps every answered request id and resumes).  Training runs a short probe to measure seconds per step,
+then trains both drafters for the same number of steps in its share of the budget, less what stages 1-2 overran
+(down to half the share).  Every stage is the
 code of its own job (jobs.generate / extract / train / calibrate / evaluate) and resumable: a rerun continues where
 the last one stopped and never redoes a finished stage.  Writes <out>/recipe_results.json (stage times, data sizes,
 tau and speed per suite and system), <out>/learning_curves.png and the evaluation's PNGs under <out>/eval."""
