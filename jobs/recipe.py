@@ -10,10 +10,10 @@ source, measures responses per second, then grows every source's share to what f
 their own rate, until less than one batch more fits (a source's prompts are a seeded shuffle cut to its share, so
 growing keeps every answered request id and resumes).  Training runs a short probe to measure seconds per step,
 then trains both drafters for the same number of steps in its share of the budget, less what stages 1-2 overran
-(down to half the share).  Every stage is the
-code of its own job (jobs.generate / extract / train / calibrate / evaluate) and resumable: a rerun continues where
-the last one stopped and never redoes a finished stage.  Writes <out>/recipe_results.json (stage times, data sizes,
-tau and speed per suite and system), <out>/learning_curves.png and the evaluation's PNGs under <out>/eval."""
+(down to half the share).  Every stage is the code of its own job (jobs.generate / extract / train / calibrate /
+evaluate) and resumable: a rerun continues where the last one stopped and never redoes a finished stage.  Writes
+<out>/recipe_results.json (stage times, data sizes, tau and speed per suite and system), <out>/learning_curves.png
+and the evaluation's PNGs under <out>/eval."""
 from __future__ import annotations
 
 import json
@@ -161,13 +161,13 @@ def main(argv=None):
         while True:
             t = time.time()
             m = gen(state.get("mix_fraction"))
-            added, have = m["num_rows"] - have, m["num_rows"]
+            added, have, round_s = m["num_rows"] - have, m["num_rows"], time.time() - t
             remaining = budget["generate"] - (time.time() - t_stage)
-            want = next_growth(remaining, added, time.time() - t, have, available, cfg.gen_batch)
+            want = next_growth(remaining, added, round_s, have, available, cfg.gen_batch)
             if want is None:
                 break
             state.set(mix_fraction=min(1.0, want / available))
-            print(f"[recipe] stage 1 round: {added} responses in {time.time() - t:.0f} s, "
+            print(f"[recipe] stage 1 round: {added} responses in {round_s:.0f} s, "
                   f"{remaining / 60:.1f} min left -> {want} of {available} prompts fit")
         state.set(generate_done=True)
 

@@ -125,7 +125,7 @@ def next_growth(remaining_s: float, rows_added: int, seconds: float, have: int, 
     if have >= available or rows_added <= 0 or seconds <= 0:
         return None
     want = responses_that_fit(remaining_s, rows_added, seconds, have, available)
-    return want if want - have >= min(min_rows, available - have) and want > have else None
+    return want if want - have >= min(min_rows, available - have) else None
 
 
 def training_seconds(planned: float, elapsed: float, total: float, reserved_after: float,

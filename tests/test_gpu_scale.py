@@ -69,8 +69,8 @@ def test_gpu_scale_pack_run_unpack_on_cpu(tmp_path):
     dest = tmp_path / "back"
     r = _sh("unpack", str(out), str(dest))
     for kind in ("dspark", "dflash"):
-        cfg = json.loads((dest / f"train_{kind}" / "drafter" / "config.json").read_text())
-        assert (dest / f"train_{kind}" / "drafter" / "model.safetensors").is_file(), cfg
+        assert (dest / f"train_{kind}" / "drafter" / "config.json").is_file()
+        assert (dest / f"train_{kind}" / "drafter" / "model.safetensors").is_file()
     assert (dest / "train_dspark" / "drafter" / "calibration" / "calibration.json").is_file()
     dspark_cfg = json.loads((dest / "train_dspark" / "drafter" / "config.json").read_text())
     assert len(dspark_cfg["dspark_ray"]["sts_temperatures"]) == 7  # the fitted STS temperatures, one per position

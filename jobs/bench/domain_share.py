@@ -10,8 +10,9 @@ says which samples it trained on.  --data is a disk store of the target's greedy
 (jobs.generate + jobs.extract on eval/*.jsonl), one suite per source file; --domain names, for each suite, the
 training prompt files that are its domain (one --domain per suite).  For every run and suite this prints the
 domain's share of the run's training samples and the suite's tau: replayed greedy rounds over --walk-tokens response
-tokens (what a greedy fp32 jobs.evaluate rollout counts) and, in results.json, the teacher-forced tau.  The PNG puts tau against share, one
-colour per suite, so whether a benchmark follows its own domain's share (and how steeply) can be seen."""
+tokens (what a greedy fp32 jobs.evaluate rollout counts) and, in results.json, the teacher-forced tau.  The PNG
+puts tau against share, one colour per suite, so whether a benchmark follows its own domain's share (and how
+steeply) can be seen."""
 from __future__ import annotations
 
 import json
