@@ -5,15 +5,18 @@ STS calibration -> evaluation, in one command, inside a wall-clock budget.
         --prompts corpus/gsm8k_train.jsonl:3000 corpus/thealgorithms_py_doctest.jsonl:800 ... \\
         --benchmarks eval/gsm8k.jsonl eval/humaneval.jsonl eval/mt-bench.jsonl
 
-The budget is split over the stages by fixed fractions (--split-*).  Stage 1 first answers a small probe of every
-source, measures responses per second, then grows every source's share to what fits, in rounds that each measure
-their own rate, until less than one batch more fits (a source's prompts are a seeded shuffle cut to its share, so
-growing keeps every answered request id and resumes).  Training runs a short probe to measure seconds per step,
-then trains both drafters for the same number of steps in its share of the budget, less what stages 1-2 overran
-(down to half the share).  Every stage is the code of its own job (jobs.generate / extract / train / calibrate /
-evaluate) and resumable: a rerun continues where the last one stopped and never redoes a finished stage.  Writes
-<out>/recipe_results.json (stage times, data sizes, tau and speed per suite and system), <out>/learning_curves.png
-and the evaluation's PNGs under <out>/eval."""
+The budget is split over the stages by fractions (--split-*), except that STS and the evaluation, whose sizes are
+fixed (prompts x tokens x systems), first get what a single-stream decode rate measured at the start says they need.
+Stages 1 and 2 share their two fractions and run in rounds: each round answers the mix's current share with vLLM,
+stores the new responses' hidden states, measures what that cost (the engines' start-up and a cost per response),
+and grows every source's share to what the rest of the two stages' budget fits, until less than one batch more fits
+(the first round is a small probe; a source's prompts are a seeded shuffle cut to its share, so growing keeps every
+answered request id and resumes).  Training runs a short probe to measure seconds per step, then trains both
+drafters for the same number of steps in its share of the budget, plus what stages 1-2 left unused or less what they
+overran (down to half the share).  Every stage is the code of its own job (jobs.generate / extract / train /
+calibrate / evaluate) and resumable: a rerun continues where the last one stopped and never redoes a finished stage.
+Writes <out>/recipe_results.json (stage times and their estimates, data sizes, tau and speed per suite and system),
+<out>/learning_curves.png and the evaluation's PNGs under <out>/eval."""
 from __future__ import annotations
 
 import json
@@ -22,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.config_fields import target_field, temperature_field
-from pipeline.recipe import (BudgetSplit, mix_sizes, next_growth, parse_mix, responses_that_fit, steps_that_fit,
-                             training_seconds, write_mix)
+from pipeline.recipe import (BudgetSplit, decode_seconds, mix_sizes, next_growth, parse_mix, plan_budget,
+                             steps_that_fit, training_seconds, write_mix)
 from pipeline.runtime import apply_env, run_job_main
 from pipeline.shards import atomic_write_json
 
@@ -91,15 +94,19 @@ def main(argv=None):
     apply_env()
     import shlex
 
+    from transformers import AutoTokenizer
+
     from actors.extraction import ExtractConfig, run_extraction
     from actors.generation import GenerateConfig, run_generation
     from jobs.calibrate import main as calibrate_main
     from jobs.evaluate import main as evaluate_main
     from jobs.train import main as train_main
     from pipeline.config_cli import parse_config
-    from pipeline.prompts import DEFAULT_PROMPTS
-    from pipeline.runtime import init_ray
+    from pipeline.evaluation import EvalConfig, planned_systems, single_stream_tok_s
+    from pipeline.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
+    from pipeline.runtime import init_ray, resolve_device
     from pipeline.shards import ShardSet
+    from pipeline.target_model import resolve_target
     from pipeline.training import plot_learning_curves
 
     cfg = parse_config(RecipeConfig, argv, description=__doc__)
@@ -107,13 +114,35 @@ def main(argv=None):
     for b in cfg.benchmarks:
         if not Path(b).is_file():
             raise SystemExit(f"--benchmarks: file not found: {b}")
+    tgt = ["--target", cfg.target] if cfg.target else []
+    # the evaluation's own flags, parsed now: its systems set what it costs, and a bad flag fails before anything runs
+    eval_flags = ["--scheduler", "fixed", "--also-schedulers", "hardware", *shlex.split(cfg.eval_args)]
+    eval_cfg = parse_config(EvalConfig, eval_flags, description="jobs.recipe --eval-args")
+    eval_systems = planned_systems(eval_cfg, [("dspark", True), ("dflash", False)])
+    n_suites = len(cfg.benchmarks) + (len(mix) if cfg.eval_heldout else 0) or 1
     out = cfg.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     state = RecipeState(out / "recipe_state.json")
     split = BudgetSplit(cfg.split_generate, cfg.split_extract, cfg.split_train, cfg.split_calibrate,
                         cfg.split_evaluate)
-    budget = split.seconds(cfg.budget_hours * 3600)
-    tgt = ["--target", cfg.target] if cfg.target else []
+    if state.get("decode_tok_s") is None:  # measured once per run folder, so a rerun keeps the plan
+        probe_text = read_prompt_files([cfg.benchmarks[0] if cfg.benchmarks else DEFAULT_PROMPTS])[0][0].text
+        target = resolve_target(cfg.target)
+        ids = chat_prompt_ids(AutoTokenizer.from_pretrained(str(target)), probe_text)
+        state.set(decode_tok_s=single_stream_tok_s(target, eval_cfg.spec_dtype, ids, cfg.eval_tokens,
+                                                   device=resolve_device(eval_cfg.device)))
+    rate = state.get("decode_tok_s")
+    eval_tokens = n_suites * cfg.eval_prompts * cfg.eval_tokens * len(eval_systems)
+    needs = {"calibrate": decode_seconds(cfg.calib_prompts * cfg.eval_tokens, rate),
+             "evaluate": decode_seconds(eval_tokens, rate)}
+    try:
+        budget = plan_budget(split, cfg.budget_hours * 3600, needs)
+    except ValueError as e:
+        raise SystemExit(f"[recipe] {e}") from None
+    print(f"[recipe] single-stream decoding {rate:.1f} tok/s: the evaluation ({len(eval_systems)} systems x {n_suites} "
+          f"suites x {cfg.eval_prompts} prompts x {cfg.eval_tokens} tokens) needs ~{needs['evaluate'] / 60:.0f} min, "
+          f"STS ~{needs['calibrate'] / 60:.0f} min\n[recipe] budget (min): "
+          + ", ".join(f"{k} {v / 60:.1f}" for k, v in budget.items()), flush=True)
     init_ray(cfg.address)
     t_start = time.time()
     stage_seconds = dict(state.get("stage_seconds", {}))
@@ -126,16 +155,20 @@ def main(argv=None):
               f"{(time.time() - t_start) / 60:.1f} min into this run", flush=True)
         t = time.time()
         fn()
-        stage_seconds[name] = stage_seconds.get(name, 0.0) + time.time() - t
-        state.set(stage_seconds=stage_seconds)
+        add_seconds(name, time.time() - t)
         print(f"[recipe] {name}: done in {(time.time() - t) / 60:.1f} min", flush=True)
 
-    # --- stage 1: responses -------------------------------------------------------------------------------------
-    resp, prompts_dir = out / "responses", out / "prompts"
+    def add_seconds(name, seconds):
+        stage_seconds[name] = stage_seconds.get(name, 0.0) + seconds
+        state.set(stage_seconds=stage_seconds)
+
+    # --- stages 1-2: responses and their hidden states, in rounds --------------------------------------------------
+    resp, prompts_dir, hidden = out / "responses", out / "prompts", out / "hidden"
     sizes = mix_sizes(mix)
     available = sum(sizes.values())
+    data_budget = budget["generate"] + budget["extract"]
 
-    def gen(fraction):
+    def generate(fraction):
         files = write_mix(mix, prompts_dir, fraction)
         m = run_generation(GenerateConfig(prompts=files, out=resp, target=cfg.target, address=cfg.address,
                                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -144,40 +177,46 @@ def main(argv=None):
             raise SystemExit(f"[recipe] stage 1 left {m.get('missing')} requests unanswered; rerun to finish")
         return m
 
-    def generate():
-        t_stage = time.time()
+    def extract():  # resumable: stores only the responses it has not stored yet, then rewrites the manifest
+        return run_extraction(ExtractConfig(responses=resp, out=hidden, target=cfg.target, address=cfg.address))
+
+    def grow_data():
+        """Each round answers the mix's current share and stores its hidden states, measures what that cost (a
+        fixed start-up and a cost per response, once two rounds differ in size: `round_cost`) and grows the share to
+        what the rest of the two stages' budget fits; the first round is a probe of --probe-prompts."""
         if state.get("mix_fraction") is None:
-            probe = min(1.0, cfg.probe_prompts / available)
-            t = time.time()
-            m = gen(probe)
-            probe_s = time.time() - t
-            rows = m["num_rows"]
-            want = responses_that_fit(budget["generate"] - probe_s, rows, probe_s, rows, available)
-            state.set(probe_rows=rows, probe_seconds=probe_s, mix_fraction=min(1.0, want / available))
-            print(f"[recipe] probe: {rows} responses in {probe_s:.0f} s -> {want} of {available} prompts fit")
-        # rounds: each measures its own rate (the probe's errs low: a partial batch and the engine's start-up)
-        # and grows the mix to what the rest of the budget fits
+            state.set(mix_fraction=min(1.0, cfg.probe_prompts / available))
         have = len(ShardSet(resp, "request_id").done_ids())
         while True:
             t = time.time()
-            m = gen(state.get("mix_fraction"))
-            added, have, round_s = m["num_rows"] - have, m["num_rows"], time.time() - t
-            remaining = budget["generate"] - (time.time() - t_stage)
-            want = next_growth(remaining, added, round_s, have, available, cfg.gen_batch)
+            m = generate(state.get("mix_fraction"))
+            add_seconds("generate", time.time() - t)
+            t = time.time()
+            extract()
+            add_seconds("extract", time.time() - t)
+            added, have = m["num_rows"] - have, m["num_rows"]
+            spent = stage_seconds["generate"] + stage_seconds["extract"]
+            round_s = spent - sum(s for _, s in state.get("data_rounds", []))
+            state.set(data_rounds=[*state.get("data_rounds", []), [added, round_s]])
+            remaining = data_budget - spent
+            want = next_growth(remaining, state.get("data_rounds"), have, available, cfg.gen_batch)
+            print(f"[recipe] stages 1-2, round {len(state.get('data_rounds'))}: {added} responses + hidden states "
+                  f"in {round_s:.0f} s, {remaining / 60:.1f} min left -> "
+                  + (f"{want} of {available} prompts fit" if want else f"done at {have} responses"), flush=True)
             if want is None:
                 break
             state.set(mix_fraction=min(1.0, want / available))
-            print(f"[recipe] stage 1 round: {added} responses in {round_s:.0f} s, "
-                  f"{remaining / 60:.1f} min left -> {want} of {available} prompts fit")
-        state.set(generate_done=True)
+        state.set(generate_done=True, extract_done=True)
 
-    run_stage("generate", state.get("generate_done") and ShardSet(resp, "request_id").has_manifest(), generate)
-
-    # --- stage 2: hidden states (disk: the recipe must survive a restart) ---------------------------------------
-    hidden = out / "hidden"
-    run_stage("extract", (hidden / "manifest.json").is_file(),
-              lambda: run_extraction(ExtractConfig(responses=resp, out=hidden, target=cfg.target,
-                                                   address=cfg.address)))
+    print(f"\n[recipe] stages 1-2: budget {data_budget / 60:.1f} min (generate + extract)", flush=True)
+    if not (state.get("generate_done") and ShardSet(resp, "request_id").has_manifest()):
+        grow_data()
+    elif not (state.get("extract_done") or (hidden / "manifest.json").is_file()):
+        t = time.time()
+        extract()
+        add_seconds("extract", time.time() - t)
+    else:
+        print("[recipe] stages 1-2: complete, skipped", flush=True)
 
     # --- training: probe the step time, then dspark and dflash with equal steps --------------------------------
     extra = shlex.split(cfg.train_args)
@@ -193,9 +232,9 @@ def main(argv=None):
         probe_s = time.time() - t
         train_s = training_seconds(budget["train"], sum(stage_seconds.values()), sum(budget.values()),
                                    budget["calibrate"] + budget["evaluate"])
-        if train_s < budget["train"]:
-            print(f"[recipe] stages 1-2 overran: training gets {train_s / 60:.1f} of its "
-                  f"{budget['train'] / 60:.1f} min")
+        if abs(train_s - budget["train"]) > 30:
+            print(f"[recipe] stages 1-2 {'overran' if train_s < budget['train'] else 'left time unused'}: training "
+                  f"gets {train_s / 60:.1f} min (planned {budget['train'] / 60:.1f})")
         steps = steps_that_fit(train_s - probe_s, step_s, drafters=2, minimum=cfg.min_steps)
         state.set(train_step_seconds=step_s, train_steps=steps)
         print(f"[recipe] training probe: {step_s:.2f} s/step -> {steps} steps per drafter")
@@ -226,8 +265,7 @@ def main(argv=None):
                                      *(["--heldout-of", str(out / "train_dspark")] if cfg.eval_heldout else []),
                                      *(["--benchmarks", *map(str, cfg.benchmarks)] if cfg.benchmarks else []),
                                      "--limit", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_tokens),
-                                     "--scheduler", "fixed", "--also-schedulers", "hardware", "--out", str(ev),
-                                     *shlex.split(cfg.eval_args), *tgt]))
+                                     "--out", str(ev), *eval_flags, *tgt]))
 
     # --- results ------------------------------------------------------------------------------------------------
     plot_learning_curves({k: out / f"train_{k}" / "metrics.jsonl" for k in drafters}, out / "learning_curves.png",
@@ -241,7 +279,8 @@ def main(argv=None):
     results = dict(budget_hours=cfg.budget_hours, budget_seconds=budget, stage_seconds=stage_seconds,
                    mix={e.stem: sizes[e.stem] for e in mix}, mix_fraction=state.get("mix_fraction"),
                    responses=len(ShardSet(resp, "request_id").done_ids()), train_steps=steps,
-                   train_step_seconds=state.get("train_step_seconds"),
+                   train_step_seconds=state.get("train_step_seconds"), decode_tok_s=rate,
+                   estimated_seconds=needs, eval_systems=eval_systems,
                    fastest_baseline=ev_res["fastest_baseline"], suites=suites, overall=overall,
                    pngs=[str(p.relative_to(out)) for p in sorted(out.glob("*.png")) + sorted(ev.glob("*.png"))])
     atomic_write_json(out / "recipe_results.json", results)

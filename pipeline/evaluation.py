@@ -160,6 +160,36 @@ def vllm_baseline_dtypes(specs: list[str]) -> list[str]:
     return list(dict.fromkeys(dts))
 
 
+def drafter_schedulers(cfg: EvalConfig, has_conf: bool) -> list[str]:
+    """The schedulers a drafter runs under: --scheduler, then --also-schedulers; a drafter without a confidence head
+    (DFlash) can only be verified at fixed depth."""
+    scheds = [cfg.scheduler if has_conf or cfg.scheduler == "fixed" else "fixed"]
+    return scheds + [s for s in cfg.also_schedulers if has_conf and s not in scheds]
+
+
+def planned_systems(cfg: EvalConfig, drafters: list[tuple[str, bool]]) -> list[str]:
+    """The names of the systems `run_evaluation` will run for `drafters` ([(label, has a confidence head)]), in its
+    order: this engine's baselines, vLLM's plain decoding, then each drafter under its schedulers."""
+    names = [f"baseline-{dt}" for dt in dict.fromkeys(list(cfg.baseline_dtypes) + ([cfg.spec_dtype] if drafters
+                                                                                    else []))]
+    names += [f"vllm-{dt}" for dt in vllm_baseline_dtypes(cfg.vllm_baselines)]
+    for label, has_conf in drafters:
+        names += [label if i == 0 else f"{label}@{sch}" for i, sch in enumerate(drafter_schedulers(cfg, has_conf))]
+    return names
+
+
+def single_stream_tok_s(target, dtype: str, prompt_ids: list[int], tokens: int, device=None) -> float:
+    """This engine's plain greedy decoding of `tokens` tokens (EOS ignored) after `prompt_ids`, one stream, in
+    `dtype`: output tokens per second of the second of two runs (the first warms the caches up)."""
+    eng = SpeculativeEngine(TargetRunner.from_pretrained(target, dtype, device=device), None, SpecConfig())
+    rate = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        out = eng.generate([prompt_ids], SamplingParams(temperature=0.0), max_tokens=tokens, ignore_eos=True)[0]
+        rate = len(out.output_ids) / (time.perf_counter() - t0)
+    return rate
+
+
 def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
     """``plain_decoder(target, dtype, max_model_len)`` builds vLLM's plain decoding for --vllm-baselines
     (``actors.vllm_baseline.VLLMPlainDecoding``, passed in by jobs.evaluate: pipeline does not import actors)."""
@@ -199,11 +229,7 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
     scheduler_of = {}
     for label, path in drafters:
         d = load_drafter(path, str(target), device=device)
-        has_conf = bool(d.cfg.enable_confidence_head)
-        # a drafter without a confidence head (DFlash) can only be verified at fixed depth
-        scheds = [cfg.scheduler if has_conf or cfg.scheduler == "fixed" else "fixed"]
-        scheds += [s for s in cfg.also_schedulers if has_conf and s not in scheds]
-        for i, sch in enumerate(scheds):
+        for i, sch in enumerate(drafter_schedulers(cfg, bool(d.cfg.enable_confidence_head))):
             spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=sch,
                               confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
                               draft_sample_method="greedy" if cfg.temperature == 0 else "probabilistic")

@@ -5,9 +5,11 @@ shuffled with a fixed seed and written, cut to its share, as ``<out>/prompts/<st
 that file are the same for every N, so a run that grows its share later (after measuring how fast generation is)
 keeps every request id it already answered (``<stem>:<line>``) and stage 1 resumes instead of redoing.
 
-The *budget* is a wall-clock total split over the stages by fixed fractions; each stage's size is derived from a
-throughput measured on this machine during the run (responses per second on a probe, seconds per training step on
-a probe), never assumed.
+The *budget* is a wall-clock total split over the stages by fractions, except where a stage's fixed size is
+known to need more: calibration and evaluation decode a set number of tokens (prompts x tokens x systems), so their
+time is estimated from a single-stream decode rate measured at the start and reserved first (`plan_budget`).  Every
+other size is derived from a throughput measured on this machine during the run (responses per second of a round
+of generation AND extraction, seconds per training step on a probe), never assumed.
 """
 from __future__ import annotations
 
@@ -107,33 +109,70 @@ class BudgetSplit:
         return {k: v * budget_s for k, v in asdict(self).items()}
 
 
-def responses_that_fit(seconds: float, probe_rows: int, probe_seconds: float, already: int, available: int) -> int:
-    """How many responses stage 1 should hold in all: what the measured rate (probe_rows in probe_seconds, engine
-    start-up included, so the estimate errs low) produces in `seconds`, plus those already done, at most
-    `available`, at least `already`."""
-    if probe_rows <= 0 or probe_seconds <= 0:
-        return min(available, max(already, 1))
-    more = int(seconds * probe_rows / probe_seconds)
-    return max(already, min(available, already + more))
+DECODE_SLACK = 1.25  # decode estimates x this: the systems of an evaluation are not all as fast as the probe's
 
 
-def next_growth(remaining_s: float, rows_added: int, seconds: float, have: int, available: int,
+def decode_seconds(tokens: int, tok_s: float, slack: float = DECODE_SLACK) -> float:
+    """Seconds to decode `tokens` single-stream at the measured `tok_s`, with `slack` for what the rate leaves out
+    (prefills, slower systems, loading engines and drafters)."""
+    if tok_s <= 0:
+        raise ValueError(f"decode rate must be > 0, got {tok_s}")
+    return slack * tokens / tok_s
+
+
+def plan_budget(split: BudgetSplit, total_s: float, needs: dict[str, float], min_rest: float = 0.25) -> dict:
+    """Seconds per stage: a stage in `needs` gets the larger of its fraction and its need; the stages not in `needs`
+    share what is left in proportion to their fractions.  A ValueError names the needs when they leave the other
+    stages less than `min_rest` of the total (a run that could only evaluate would measure nothing worth having)."""
+    share = split.seconds(total_s)
+    fixed = {k: max(share[k], v) for k, v in needs.items()}
+    rest = total_s - sum(fixed.values())
+    if rest < min_rest * total_s:
+        wants = ", ".join(f"{k} ~{v / 60:.0f} min" for k, v in needs.items())
+        raise ValueError(f"the budget of {total_s / 3600:.2f} h is too small: {wants} leave "
+                         f"{max(rest, 0) / 60:.0f} min for generation, extraction and training; raise "
+                         f"--budget-hours, or evaluate fewer prompts or systems (--eval-prompts, --eval-args)")
+    others = {k: v for k, v in share.items() if k not in fixed}
+    scale = rest / sum(others.values())
+    return {k: fixed[k] if k in fixed else others[k] * scale for k in share}
+
+
+def round_cost(rounds: list[tuple[int, float]]) -> tuple[float, float]:
+    """(fixed seconds per round, seconds per response) of stages 1-2 from the rounds so far, [(responses added,
+    seconds)]: a least-squares line through them once their sizes differ (the fixed part is both engines' start-up,
+    which a small last round would otherwise underrate), else the last round's rate through the origin (start-up
+    spread over its responses: errs towards a smaller next round)."""
+    pts = [(n, s) for n, s in rounds if n > 0 and s > 0]
+    if not pts:
+        raise ValueError(f"no round with responses and time in {rounds}")
+    if len({n for n, _ in pts}) >= 2:
+        mn, ms = sum(n for n, _ in pts) / len(pts), sum(s for _, s in pts) / len(pts)
+        slope = sum((n - mn) * (s - ms) for n, s in pts) / sum((n - mn) ** 2 for n, _ in pts)
+        if slope > 0 and ms - slope * mn >= 0:
+            return ms - slope * mn, slope
+    n, s = pts[-1]
+    return 0.0, s / n
+
+
+def next_growth(remaining_s: float, rounds: list[tuple[int, float]], have: int, available: int,
                 min_rows: int) -> int | None:
-    """Stage 1 grows in rounds: after a round that added `rows_added` responses in `seconds` (engine start-up
-    included), the total that fits the `remaining_s` of the stage's budget, or None when fewer than `min_rows` more
-    fit (one generate batch: a smaller round would spend most of its time starting the engine) or none are left."""
-    if have >= available or rows_added <= 0 or seconds <= 0:
+    """Stages 1-2 grow in rounds: after `rounds` ([(responses added, seconds)], each with its hidden states and
+    both engines' start-up), the total that one more round fits into the `remaining_s` of the two stages' budget
+    (`round_cost`), or None when fewer than `min_rows` more fit (one generate batch: a smaller round would spend
+    most of its time starting engines), the mix is answered, or the last round added nothing."""
+    if have >= available or not rounds or rounds[-1][0] <= 0:
         return None
-    want = responses_that_fit(remaining_s, rows_added, seconds, have, available)
-    return want if want - have >= min(min_rows, available - have) else None
+    fixed, per_row = round_cost(rounds)
+    more = min(available - have, int((remaining_s - fixed) / per_row))
+    return have + more if more > 0 and more >= min(min_rows, available - have) else None
 
 
 def training_seconds(planned: float, elapsed: float, total: float, reserved_after: float,
                      floor_share: float = 0.5) -> float:
-    """The training budget once stages 1-2 are done: the planned share, cut by what they overran (so calibration and
-    evaluation keep theirs and the run ends near its total), but never below `floor_share` of the plan."""
-    left = total - elapsed - reserved_after
-    return max(floor_share * planned, min(planned, left))
+    """The training budget once stages 1-2 are done: what the total leaves after them and the reserve of
+    calibration and evaluation, i.e. the planned share plus what they left unused or less what they overran (so the
+    run ends near its total), but never below `floor_share` of the plan."""
+    return max(floor_share * planned, total - elapsed - reserved_after)
 
 
 def steps_that_fit(seconds: float, step_seconds: float, drafters: int = 2, minimum: int = 10) -> int:

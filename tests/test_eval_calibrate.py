@@ -39,13 +39,18 @@ def bench_file(tmp_path_factory):
 def test_evaluate_side_by_side_lossless(smol_drafter, bench_file, target_dir, tmp_path):
     from jobs.evaluate import main
 
+    from pipeline.config_cli import parse_config
+    from pipeline.evaluation import EvalConfig, planned_systems
     from pipeline.scheduler import CostTable
 
     cost = tmp_path / "cost.json"
     CostTable({1: 0.040, 8: 0.055, 64: 0.15}).save(cost)
-    res = main(["--drafter", f"dspark={smol_drafter}", "--benchmarks", str(bench_file), "--limit", "2",
-                "--max-new-tokens", "12", "--out", str(tmp_path), "--target", str(target_dir),
-                "--also-schedulers", "hardware", "--cost-table", str(cost), "--vllm-baselines", "none"])
+    flags = ["--drafter", f"dspark={smol_drafter}", "--benchmarks", str(bench_file), "--limit", "2",
+             "--max-new-tokens", "12", "--out", str(tmp_path), "--target", str(target_dir),
+             "--also-schedulers", "hardware", "--cost-table", str(cost), "--vllm-baselines", "none"]
+    res = main(flags)
+    # the recipe sizes the evaluation's budget from these names, before any drafter exists
+    assert res["systems"] == planned_systems(parse_config(EvalConfig, flags), [("dspark", True)])
     o = res["overall"]
     assert set(o) == {"baseline-float32", "baseline-float32:packed", "baseline-float32:mkl", "baseline-bfloat16", "dspark",
                       "dspark@hardware"}

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from pipeline.prompts import read_prompt_files
-from pipeline.recipe import (BudgetSplit, next_growth, parse_mix, responses_that_fit, steps_that_fit,
-                             training_seconds, write_mix)
+from pipeline.recipe import (BudgetSplit, decode_seconds, next_growth, parse_mix, plan_budget, round_cost,
+                             steps_that_fit, training_seconds, write_mix)
 
 
 def _prompts(path, n, bad_lines=()):
@@ -61,20 +61,25 @@ def test_budget_split_and_sizes():
     assert sum(s.seconds(3600).values()) == pytest.approx(3600)
     with pytest.raises(ValueError, match="sum to 1"):
         BudgetSplit(generate=0.5, extract=0.5, train=0.5, calibrate=0.1, evaluate=0.1)
-    # 10 responses in 20 s: 100 s more fit 50 more, on top of the 10 done, capped by what the mix has
-    assert responses_that_fit(100, 10, 20, 10, 1000) == 60
-    assert responses_that_fit(100, 10, 20, 10, 30) == 30
-    assert responses_that_fit(-5, 10, 20, 10, 1000) == 10  # the probe used the budget up: keep what is done
-    # stage 1's rounds: 100 responses took 200 s; 600 s left fit 300 more
-    assert next_growth(600, 100, 200, 134, 10_000, min_rows=96) == 434
-    assert next_growth(600, 100, 200, 134, 300, min_rows=96) == 300  # capped by the mix
-    assert next_growth(100, 100, 200, 134, 10_000, min_rows=96) is None  # 50 more: less than a batch
-    assert next_growth(100, 100, 200, 250, 300, min_rows=96) == 300  # the last 50 of the mix: worth a round
-    assert next_growth(600, 100, 200, 300, 300, min_rows=96) is None  # the mix is answered
-    assert next_growth(600, 0, 200, 134, 10_000, min_rows=96) is None  # a round that added nothing ends it
-    assert next_growth(-30, 100, 200, 134, 10_000, min_rows=96) is None  # over budget
-    # training absorbs what stages 1-2 overran, down to half its planned share
-    assert training_seconds(1800, elapsed=2600, total=6300, reserved_after=1800) == 1800  # on time
+    # stages 1-2's rounds: one round of 100 responses in 200 s -> 2 s per response, start-up included
+    assert round_cost([(100, 200)]) == (0.0, 2.0)
+    assert next_growth(600, [(100, 200)], 134, 10_000, min_rows=96) == 434
+    assert next_growth(600, [(100, 200)], 134, 300, min_rows=96) == 300  # capped by the mix
+    assert next_growth(100, [(100, 200)], 134, 10_000, min_rows=96) is None  # 50 more: less than a batch
+    assert next_growth(100, [(100, 200)], 250, 300, min_rows=96) == 300  # the last 50 of the mix: worth a round
+    assert next_growth(600, [(100, 200)], 300, 300, min_rows=96) is None  # the mix is answered
+    assert next_growth(600, [(100, 200), (0, 150)], 134, 10_000, min_rows=96) is None  # a round added nothing
+    assert next_growth(-30, [(100, 200)], 134, 10_000, min_rows=96) is None  # over budget
+    # two rounds of different sizes separate the engines' start-up from the per-response cost (a measured run:
+    # 34 responses in 220 s, then 77 in 302 s -> 155 s + 1.9 s per response); 186 s left fit 16 more, not a batch
+    fixed, per_row = round_cost([(34, 220), (77, 302)])
+    assert fixed == pytest.approx(155.2, abs=0.1) and per_row == pytest.approx(1.907, abs=0.001)
+    assert next_growth(186, [(34, 220), (77, 302)], 111, 10_000, min_rows=32) is None
+    assert next_growth(600, [(34, 220), (77, 302)], 111, 10_000, min_rows=32) == 111 + 233
+    assert round_cost([(10, 100), (20, 50)]) == (0.0, 2.5)  # a line sloping down is noise: the last round's rate
+    # training absorbs what stages 1-2 overran, down to half its planned share, and takes what they left unused
+    assert training_seconds(1800, elapsed=2700, total=6300, reserved_after=1800) == 1800  # on time
+    assert training_seconds(1800, elapsed=2200, total=6300, reserved_after=1800) == 2300
     assert training_seconds(1800, elapsed=3600, total=6300, reserved_after=1800) == 900  # 1000 s over: half left
     assert training_seconds(1800, elapsed=3400, total=6300, reserved_after=1800) == 1100
     assert training_seconds(1800, elapsed=6000, total=6300, reserved_after=1800) == 900  # never below the floor
@@ -83,12 +88,30 @@ def test_budget_split_and_sizes():
         steps_that_fit(600, 0)
 
 
+def test_budget_reserves_what_fixed_size_stages_need():
+    split = BudgetSplit()  # 0.40 / 0.07 / 0.28 / 0.05 / 0.20
+    # needs below their fractions change nothing
+    plan = plan_budget(split, 10_000, {"calibrate": 100, "evaluate": 1000})
+    assert plan == pytest.approx(split.seconds(10_000))
+    # an evaluation needing 4,000 s of 10,000: the other four share the 5,500 s left by their fractions
+    plan = plan_budget(split, 10_000, {"calibrate": 100, "evaluate": 4000})
+    assert plan["evaluate"] == 4000 and plan["calibrate"] == 500
+    assert plan["generate"] == pytest.approx(5500 * 0.40 / 0.75) and sum(plan.values()) == pytest.approx(10_000)
+    assert plan["generate"] / plan["train"] == pytest.approx(0.40 / 0.28)
+    with pytest.raises(ValueError, match=r"too small: calibrate ~2 min, evaluate ~133 min leave 25 min"):
+        plan_budget(split, 10_000, {"calibrate": 100, "evaluate": 8000})
+    assert decode_seconds(1500, 15.0) == pytest.approx(125.0) and decode_seconds(150, 15.0, slack=1) == 10
+    with pytest.raises(ValueError, match="decode rate"):
+        decode_seconds(100, 0)
+
+
 def test_recipe_usage_errors(tmp_path, capsys):
     from jobs.recipe import main
 
     for flags, msg in ((["--budget-hours", "0"], "budget-hours must be > 0"),
                        (["--eval-prompts", "0"], "eval-prompts must be >= 1"),
-                       (["--split-train", "0.9"], "sum to 1")):
+                       (["--split-train", "0.9"], "sum to 1"),
+                       (["--eval-args", "--vllm-baselines float16"], "--vllm-baselines: ['float16']")):
         with pytest.raises(SystemExit):
             main(["--out", str(tmp_path / "r"), *flags])
         assert msg in capsys.readouterr().err
