@@ -109,7 +109,9 @@ class BudgetSplit:
         return {k: v * budget_s for k, v in asdict(self).items()}
 
 
-DECODE_SLACK = 1.25  # decode estimates x this: the systems of an evaluation are not all as fast as the probe's
+# decode estimates x this: prefills, engine loads, systems slower than the probe's (measured on a 2-core AVX2
+# CPU: an evaluation took 1.145x and 0.92x the probe-rate estimate without it)
+DECODE_SLACK = 1.15
 
 
 def decode_seconds(tokens: int, tok_s: float, slack: float = DECODE_SLACK) -> float:

@@ -100,7 +100,7 @@ def test_budget_reserves_what_fixed_size_stages_need():
     assert plan["generate"] / plan["train"] == pytest.approx(0.40 / 0.28)
     with pytest.raises(ValueError, match=r"too small: calibrate ~2 min, evaluate ~133 min leave 25 min"):
         plan_budget(split, 10_000, {"calibrate": 100, "evaluate": 8000})
-    assert decode_seconds(1500, 15.0) == pytest.approx(125.0) and decode_seconds(150, 15.0, slack=1) == 10
+    assert decode_seconds(1500, 15.0, slack=1.25) == pytest.approx(125.0) and decode_seconds(150, 15.0) > 10
     with pytest.raises(ValueError, match="decode rate"):
         decode_seconds(100, 0)
 
