@@ -12,6 +12,7 @@ extraction continues (stored samples are skipped).
 """
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -31,15 +32,23 @@ ROWS_PER_SHARD = 256
 
 
 @torch.no_grad()
-def generate_responses(model, tok, requests: list[dict], max_new_tokens: int, batch: int, device) -> list[dict]:
-    """Greedy responses (stage-1 rows), longest prompts first in left-padded batches.  A response keeps the
-    end-of-turn token that ended it (finish_reason "stop"), else it is cut at max_new_tokens ("length")."""
+def generate_responses(model, tok, requests: list[dict], max_new_tokens: int, batch: int, device,
+                       max_seconds: float | None = None, seed: int = 0) -> list[dict]:
+    """Greedy responses (stage-1 rows) in left-padded batches of similar-length prompts, the batches in a seeded
+    random order.  A response keeps the end-of-turn token that ended it (finish_reason "stop"), else it is cut at
+    max_new_tokens ("length").  With max_seconds no batch after the first starts past that many seconds: the
+    prompts of the batches not run are left out of the result."""
     eot = end_of_turn_ids(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eot[0]
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i]["prompt_ids"]))
-    rows = [None] * len(requests)
-    for b0 in range(0, len(order), batch):
-        idx = order[b0:b0 + batch]
+    batches = [order[b:b + batch] for b in range(0, len(order), batch)]
+    random.Random(seed).shuffle(batches)
+    rows, t0 = [], time.time()
+    for n, idx in enumerate(batches):
+        if n and max_seconds is not None and time.time() - t0 > max_seconds:
+            print(f"[train] generate: --gen-seconds {max_seconds:g} reached after {len(rows)}/{len(order)} prompts; "
+                  f"the other {len(order) - len(rows)} are left out", flush=True)
+            break
         L = max(len(requests[i]["prompt_ids"]) for i in idx)
         ids = torch.full((len(idx), L), pad, dtype=torch.long)  # [B, L] left-padded prompts
         att = torch.zeros((len(idx), L), dtype=torch.long)
@@ -56,10 +65,11 @@ def generate_responses(model, tok, requests: list[dict], max_new_tokens: int, ba
                     gen, finish = gen[:k + 1], "stop"
                     break
             r = requests[i]
-            rows[i] = dict(request_id=r["request_id"], source_file=r["source_file"], prompt_ids=r["prompt_ids"],
-                           response_ids=gen, loss_mask=loss_mask_for(len(r["prompt_ids"]), len(gen)),
-                           finish_reason=finish)
-        print(f"[train] generate: {min(b0 + batch, len(order))}/{len(order)} prompts", flush=True)
+            rows.append(dict(request_id=r["request_id"], source_file=r["source_file"], prompt_ids=r["prompt_ids"],
+                             response_ids=gen, loss_mask=loss_mask_for(len(r["prompt_ids"]), len(gen)),
+                             finish_reason=finish))
+        print(f"[train] generate: {len(rows)}/{len(order)} prompts ({n + 1}/{len(batches)} batches, "
+              f"{time.time() - t0:.0f}s)", flush=True)
     return rows
 
 
@@ -107,12 +117,14 @@ def run_local_stages(cfg: TrainConfig, device: torch.device) -> dict:
         requests, long_skips = tokenize_requests(tok, prompt_rows, cfg.max_prompt_tokens)
         print(f"[train] {len(requests)} prompts ({len(skips) + len(long_skips)} skipped) -> responses on {device}",
               flush=True)
-        rows = generate_responses(model, tok, requests, cfg.max_new_tokens, cfg.gen_batch, device)
+        rows = generate_responses(model, tok, requests, cfg.max_new_tokens, cfg.gen_batch, device,
+                                  max_seconds=cfg.gen_seconds, seed=cfg.seed)
         for b in range(0, len(rows), ROWS_PER_SHARD):
             responses.write_shard(pa.Table.from_pylist(rows[b:b + ROWS_PER_SHARD], schema=RESPONSE_SCHEMA))
         responses.write_manifest(dict(target=str(target), generator=GENERATOR, max_new_tokens=cfg.max_new_tokens,
                                       temperature=0.0, num_rows=len(rows), complete=True,
-                                      skipped=len(skips) + len(long_skips)))
+                                      skipped=len(skips) + len(long_skips),
+                                      not_answered=len(requests) - len(rows)))
         print(f"[train] {sum(len(r['response_ids']) for r in rows)} response tokens in {time.time() - t0:.1f}s",
               flush=True)
     L = model.config.num_hidden_layers

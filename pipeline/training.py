@@ -143,6 +143,9 @@ class TrainConfig:
     max_new_tokens: int = field(default=256, metadata={"help": "(--prompts) response length cap"})
     max_prompt_tokens: int = field(default=1536, metadata={"help": "(--prompts) longer prompts are skipped"})
     gen_batch: int = field(default=64, metadata={"help": "(--prompts) prompts per generate call"})
+    gen_seconds: float | None = field(default=None, metadata={
+        "help": "(--prompts) wall-clock cap of generation: no generate call starts after it, and the prompts not "
+                "yet answered are left out (the batches run in a seeded random order, so the cut is not by length)"})
     target_dtype: str = field(default="float32", metadata={
         "help": "(--prompts) target precision for generation and hidden states", "choices": ["float32", "bfloat16"]})
     dry_run: bool = field(default=False, metadata={
@@ -163,7 +166,7 @@ class TrainConfig:
             raise ValueError(f"--holdout-frac must be in [0, 1), got {self.holdout_frac}")
         if self.gpus_per_worker < 0:
             raise ValueError(f"--gpus-per-worker must be >= 0, got {self.gpus_per_worker}")
-        for name in ("max_steps", "stop_after", "max_seconds"):  # optional caps: None = no cap
+        for name in ("max_steps", "stop_after", "max_seconds", "gen_seconds"):  # optional caps: None = no cap
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.backend == "local" and self.workers != 1:

@@ -14,10 +14,15 @@
 #
 # `run` = prepare the target from the GGUF (jobs.prepare_target) -> jobs.train --backend local --prompts (greedy
 # responses with transformers, hidden states, the dspark drafter under a time cap) -> the dflash drafter for the
-# same number of steps on the same store -> jobs.calibrate (STS) -> the archive.  Every stage is this repository's
-# own job; only the orchestration is here.  Sizes (environment): SCALE_DEVICE (cuda), SCALE_GEN_BATCH (512),
-# SCALE_MAX_NEW_TOKENS (256), SCALE_TRAIN_SECONDS (120 per drafter), SCALE_EPOCHS (8), SCALE_CALIB (64 prompts),
-# SCALE_DTYPE (float32: generation and features as the CPU pipeline's).
+# same number of steps on the same store -> the archive -> a training-step profile -> jobs.calibrate (STS) -> the
+# archive again.  Every stage is this repository's own job; only the orchestration is here.  The call has 10
+# minutes: generation stops starting batches after SCALE_GEN_SECONDS, training after SCALE_TRAIN_SECONDS,
+# calibration is cut at SCALE_DEADLINE seconds from the start (the drafters come back uncalibrated then).
+# Sizes (environment): SCALE_DEVICE (cuda), SCALE_GEN_BATCH (768), SCALE_GEN_SECONDS (180),
+# SCALE_MAX_PROMPT_TOKENS (1024), SCALE_MAX_NEW_TOKENS (256), SCALE_TRAIN_SECONDS (80 per drafter), SCALE_EPOCHS (8),
+# SCALE_CALIB (48 prompts), SCALE_DEADLINE (530), SCALE_DTYPE (float32: generation and features as the CPU
+# pipeline's), SCALE_PROFILE (1: after training, where one training step's time goes on the device, jobs.bench
+# train_step; 0 skips it), SCALE_PROFILE_ARGS (its sizes).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -29,7 +34,7 @@ log() { echo "[gpu_scale $(( $(date +%s) - T0 ))s] $*"; }
 die() { echo "gpu_scale: $*" >&2; exit 2; }
 
 pack() {
-  local corpus="$ROOT/../shared/data/train_prompts/corpus" per_domain=1200 py="$ROOT/.venv/bin/python"
+  local corpus="$ROOT/../shared/data/train_prompts/corpus" per_domain=1600 py="$ROOT/.venv/bin/python"
   while [ $# -gt 0 ]; do
     case "$1" in
       --corpus) corpus="$2"; shift 2 ;;
@@ -71,6 +76,32 @@ EOF
   echo "        command 'bash scripts/gpu_scale.sh run', timeout_s 600"
 }
 
+archive() {  # WORK OUT STEPS: both drafters and their metrics as $OUT/drafters.tgz.part-*, and summary.json
+  local work="$1" out="$2" steps="$3"
+  log "archive"
+  rm -f "$out"/drafters.tgz.part-*
+  (cd "$work" && tar czf - train_dspark/drafter train_dspark/metrics.jsonl train_dflash/drafter \
+      train_dflash/metrics.jsonl $(ls train_*/*.png 2>/dev/null)) | split -b 15m -d - "$out/drafters.tgz.part-"
+  local bytes
+  bytes=$(cat "$out"/drafters.tgz.part-* | wc -c)
+  [ "$bytes" -lt $(( 60 * 1048576 )) ] \
+    || log "WARNING: the archive is $(( bytes / 1048576 )) MiB: over what one call brings back (64 MiB)"
+  "${PYTHON:-python3}" - "$work" "$out" "$steps" "$T0" <<'EOF'
+import json, sys, time
+from pathlib import Path
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+store = json.loads((work / "hidden" / "manifest.json").read_text())
+responses = json.loads((work / "train_dspark" / "responses" / "manifest.json").read_text())
+summary = dict(steps=int(sys.argv[3]), seconds=round(time.time() - int(sys.argv[4])),
+               samples=len(store.get("sample_ids", [])), responses=store.get("response_manifest_rows"),
+               not_answered=responses.get("not_answered"),
+               calibrated=(work / "train_dspark" / "drafter" / "calibration" / "calibration.json").is_file(),
+               parts=sorted(p.name for p in out.glob("drafters.tgz.part-*")))
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+print(json.dumps(summary))
+EOF
+}
+
 run() {
   local py="${PYTHON:-python3}" out="${OUT:-$ROOT/work/gpu_scale_out}" dev="${SCALE_DEVICE:-cuda}"
   local work="${SCALE_WORK:-$ROOT/work/gpu_scale}"
@@ -94,39 +125,43 @@ run() {
   target="$("$py" -m jobs.prepare_target | tail -1)"
   log "target: $target"
 
-  local epochs="${SCALE_EPOCHS:-8}" cap="${SCALE_TRAIN_SECONDS:-120}"
+  local epochs="${SCALE_EPOCHS:-8}" cap="${SCALE_TRAIN_SECONDS:-80}"
   local common=(--backend local --device "$dev" --target "$target" --data "$work/hidden" --epochs "$epochs"
                 --seqs-per-step 32 --micro-batch 32 --eval-every 100000 ${SCALE_TRAIN_ARGS:-})
   log "stages 1-2 + dspark"
   "$py" -m jobs.train "${common[@]}" --out "$work/train_dspark" --drafter dspark --max-seconds "$cap" \
-      --prompts "$CARRY"/b/prompts/*.jsonl --gen-batch "${SCALE_GEN_BATCH:-512}" \
+      --prompts "$CARRY"/b/prompts/*.jsonl --gen-batch "${SCALE_GEN_BATCH:-768}" \
+      --gen-seconds "${SCALE_GEN_SECONDS:-180}" --max-prompt-tokens "${SCALE_MAX_PROMPT_TOKENS:-1024}" \
       --max-new-tokens "${SCALE_MAX_NEW_TOKENS:-256}" --target-dtype "${SCALE_DTYPE:-float32}"
   local steps
   steps="$("$py" -c 'import json, sys
 print(max(json.loads(l).get("step", 0) for l in open(sys.argv[1]) if l.strip()))' "$work/train_dspark/metrics.jsonl")"
+  if [ ! -f "$work/train_dspark/drafter/config.json" ]; then  # stopped by its time cap: a checkpoint, no export
+    log "dspark stopped at its time cap after $steps steps: exported from that checkpoint"
+    "$py" -m jobs.train "${common[@]}" --out "$work/train_dspark" --drafter dspark --resume --max-steps "$steps"
+  fi
   log "dflash, $steps steps (as dspark)"
   "$py" -m jobs.train "${common[@]}" --out "$work/train_dflash" --drafter dflash --max-steps "$steps"
-  log "STS calibration"
-  "$py" -m jobs.calibrate --drafter "$work/train_dspark/drafter" --responses "$work/train_dspark/responses" \
-      --limit "${SCALE_CALIB:-64}" --max-new-tokens 128 --device "$dev" --target "$target"
-  log "archive"
-  (cd "$work" && tar czf - train_dspark/drafter train_dspark/metrics.jsonl train_dflash/drafter \
-      train_dflash/metrics.jsonl $(ls train_*/*.png 2>/dev/null)) | split -b 15m -d - "$out/drafters.tgz.part-"
-  local bytes
-  bytes=$(cat "$out"/drafters.tgz.part-* | wc -c)
-  [ "$bytes" -lt $(( 60 * 1048576 )) ] \
-    || log "WARNING: the archive is $(( bytes / 1048576 )) MiB: over what one call brings back (64 MiB)"
-  "$py" - "$work" "$out" "$steps" "$T0" <<'EOF'
-import json, sys, time
-from pathlib import Path
-work, out = Path(sys.argv[1]), Path(sys.argv[2])
-store = json.loads((work / "hidden" / "manifest.json").read_text())
-summary = dict(steps=int(sys.argv[3]), seconds=round(time.time() - int(sys.argv[4])),
-               samples=len(store.get("sample_ids", [])), responses=store.get("response_manifest_rows"),
-               parts=sorted(p.name for p in out.glob("drafters.tgz.part-*")))
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
-print(json.dumps(summary))
-EOF
+  archive "$work" "$out" "$steps"
+  if [ -n "${SCALE_PROFILE:-1}" ] && [ "${SCALE_PROFILE:-1}" != 0 ]; then  # where a training step's time goes there
+    log "training step profile"
+    timeout 90 "$py" -m jobs.bench train_step --data "$work/hidden" --device "$dev" --profile-rows 12 \
+        ${SCALE_PROFILE_ARGS:---steps 10 --seqs-per-step 32 --micro-batch 32} \
+        || log "the training step profile did not finish"
+  fi
+  local left=$(( ${SCALE_DEADLINE:-530} - ($(date +%s) - T0) ))
+  if [ "$left" -gt 30 ]; then
+    log "STS calibration (at most ${left}s)"
+    if timeout "$left" "$py" -m jobs.calibrate --drafter "$work/train_dspark/drafter" \
+        --responses "$work/train_dspark/responses" --limit "${SCALE_CALIB:-48}" --max-new-tokens 128 --device "$dev" \
+        --target "$target"; then
+      archive "$work" "$out" "$steps"
+    else
+      log "STS calibration did not finish: the drafters come back uncalibrated (jobs.calibrate here does it)"
+    fi
+  else
+    log "no time left for STS calibration: the drafters come back uncalibrated (jobs.calibrate here does it)"
+  fi
   log "done"
 }
 

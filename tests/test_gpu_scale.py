@@ -38,7 +38,9 @@ def test_gpu_scale_pack_run_unpack_on_cpu(tmp_path):
     carry, work, out = tmp_path / "carry", tmp_path / "work", tmp_path / "out"
     env = dict(SCALE_CARRY=str(carry), SCALE_WORK=str(work), SCALE_NO_WHEEL="1", OUT=str(out),
                PYTHON=str(ROOT / ".venv" / "bin" / "python"), SCALE_DEVICE="cpu", SCALE_GEN_BATCH="8",
-               SCALE_MAX_NEW_TOKENS="24", SCALE_EPOCHS="2", SCALE_CALIB="2",
+               SCALE_MAX_NEW_TOKENS="24", SCALE_EPOCHS="20", SCALE_CALIB="2",
+               SCALE_TRAIN_SECONDS="2",  # dspark stops at its time cap, before its epochs: exported there
+               SCALE_PROFILE_ARGS="--steps 3 --skip 1 --seqs-per-step 4 --micro-batch 4",
                SCALE_TRAIN_ARGS="--seqs-per-step 4 --micro-batch 4 --num-anchors 4")
 
     _sh("pack", "--corpus", str(corpus), "--per-domain", "4", env=env)
@@ -57,7 +59,8 @@ def test_gpu_scale_pack_run_unpack_on_cpu(tmp_path):
 
     _sh("run", env=env)
     summary = json.loads((out / "summary.json").read_text())
-    assert "[gpu_scale" in (out / "log").read_text()
+    log = (out / "log").read_text()
+    assert "[gpu_scale" in log and "stopped at its time cap" in log and "supervised positions/s over 2 steps" in log
     assert summary["steps"] >= 1 and summary["responses"] >= 10 and summary["parts"]
     dspark = [json.loads(x) for x in (work / "train_dspark" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     dflash = [json.loads(x) for x in (work / "train_dflash" / "metrics.jsonl").read_text().splitlines() if x.strip()]
