@@ -66,13 +66,13 @@ class EvalConfig:
                                                                     "profiled now)"})
     spec_dtype: str = field(default="float32", metadata={"help": "target precision for speculative verification "
                                                                   "(acceptance always uses fp32 probabilities)",
-                                                          "choices": ["bfloat16", "float32",
+                                                          "choices": ["bfloat16", "bfloat16:packed", "float32",
                                                                       *(f"float32:{b}" for b in LINEAR_BACKENDS)]})
     baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:packed", "float32:mkl",
                                                                 "bfloat16"], metadata={
         "help": "target precisions of the no-speculation baseline (the fastest is the reference); on CPU float32 "
                 "= float32:hybrid (F.linear for 1-2 rows, oneDNN pre-packed weights above), float32:packed always "
-                "packed, float32:mkl MKL's F.linear"})
+                "packed, float32:mkl MKL's F.linear, bfloat16:packed bf16 weights packed (CPUs with native bf16)"})
     vllm_baselines: list[str] = field(default_factory=lambda: ["float32", "bfloat16"], metadata={
         "help": "precisions of vLLM's own plain decoding of the target, run as further no-speculation systems on "
                 "the same prompts (the fastest of ours and vLLM's is the reference of every speed ratio); "

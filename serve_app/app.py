@@ -71,7 +71,8 @@ class ServeConfig:
                                                         "= float32 on the native engine, bfloat16 on vLLM; on CPU "
                                                         "float32 = float32:hybrid (MKL's F.linear for 1-2 rows, "
                                                         "oneDNN pre-packed weights above); float32:packed, "
-                                                        "float32:mkl force one of them"})
+                                                        "float32:mkl force one of them; bfloat16:packed packs "
+                                                        "bf16 weights (CPUs with native bf16)"})
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})
     max_queue: int = field(default=64, metadata={"help": "requests waiting per replica beyond max_batch before the "
                                                           "router holds them back"})

@@ -93,6 +93,28 @@ def test_parity_bf16():
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+def test_bf16_packed_weights():
+    """"bfloat16:packed" packs the bf16 layer weights for oneDNN on a CPU with native bf16 (same products as F.linear
+    up to the summation order: the logits agree with the F.linear runner's) and is refused by name without it."""
+    from pipeline.runtime import cpu_has_native_bf16
+
+    m = _model("llama", torch.bfloat16)
+    if not (cpu_has_native_bf16() and packed_linear.available()):
+        with pytest.raises(ValueError, match="bfloat16:packed needs a CPU with native bf16"):
+            TargetRunner(m, "bfloat16:packed", device="cpu")
+        return
+    ids = torch.randint(0, CFG["vocab_size"], (14,), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for spec in ("bfloat16", "bfloat16:packed"):
+        r = TargetRunner(m, spec, device="cpu")
+        assert all((w.packed is not None) == (spec == "bfloat16:packed") for ly in r.layers for w in (ly.qkv, ly.down))
+        s = r.alloc()
+        logits[spec] = torch.cat([r.forward([s], [ids[:6]]).logits, r.forward([s], [ids[6:]]).logits])
+    a, b = logits["bfloat16"], logits["bfloat16:packed"]
+    assert (a - b).abs().max() < 0.02 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 @pytest.mark.parametrize("layout", ["padded", "per_request"])
 def test_ragged_batch_equals_per_request(kind, layout):
