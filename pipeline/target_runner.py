@@ -183,8 +183,9 @@ class TargetRunner:
                  init_len: int = 256, huge_page_arena: bool = False):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype; its suffix
         picks the CPU linear back end of fp32 weights (pipeline/packed_linear.py; "bfloat16:packed" packs bf16 weights
-        too, on a CPU with native bf16), without one "hybrid" on CPU when oneDNN is available, else F.linear.  huge_page_arena (CPU, opt-in until it is shown to pay): the plain linear
-        weights live in one block backed by transparent huge pages (pipeline/hugepages.py)."""
+        too, on a CPU with native bf16), without one "hybrid" on CPU when oneDNN is available, else F.linear.
+        huge_page_arena (CPU, opt-in until it is shown to pay): the plain linear weights live in one block backed by
+        transparent huge pages (pipeline/hugepages.py)."""
         self.dtype, backend = parse_precision(dtype)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -243,11 +244,11 @@ class TargetRunner:
         if pack_bf16 and not cpu_has_native_bf16():
             raise ValueError("bfloat16:packed needs a CPU with native bf16 (avx512_bf16 or amx_bf16) and this one "
                              "has none: use float32:packed (or bfloat16, emulated)")
+        packed_dtypes = {torch.float32, torch.bfloat16} if pack_bf16 else {torch.float32}
 
         def lin(w, b):
             w, b = P(w), P(b)
-            packs = self.packed_linear and (w.dtype == torch.float32 or (pack_bf16 and w.dtype == torch.bfloat16))
-            return pl.PackedWeight(w, b, packs, flinear_rows)
+            return pl.PackedWeight(w, b, self.packed_linear and w.dtype in packed_dtypes, flinear_rows)
 
         base = hf_model.model if hasattr(hf_model, "model") else hf_model
         self.embed = P(base.embed_tokens.weight)
@@ -273,7 +274,7 @@ class TargetRunner:
         head = hf_model.lm_head.weight if hasattr(hf_model, "lm_head") else base.embed_tokens.weight
         self.head_dtype = torch.float32 if fp32_lm_head else dt
         head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
-        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype == torch.float32, flinear_rows)
+        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype in packed_dtypes, flinear_rows)
         self.norm_head = self.norm.to(self.head_dtype)
         # {weight group: F.linear up to this many rows}
         self.flinear_rows = {"all": flinear_rows} if self.linear_backend == "hybrid" else {}

@@ -143,7 +143,7 @@ print(max(json.loads(l).get("step", 0) for l in open(sys.argv[1]) if l.strip()))
   log "dflash, $steps steps (as dspark)"
   "$py" -m jobs.train "${common[@]}" --out "$work/train_dflash" --drafter dflash --max-steps "$steps"
   archive "$work" "$out" "$steps"
-  if [ -n "${SCALE_PROFILE:-1}" ] && [ "${SCALE_PROFILE:-1}" != 0 ]; then  # where a training step's time goes there
+  if [ "${SCALE_PROFILE:-1}" != 0 ]; then  # where a training step's time goes there
     log "training step profile"
     timeout 90 "$py" -m jobs.bench train_step --data "$work/hidden" --device "$dev" --profile-rows 12 \
         ${SCALE_PROFILE_ARGS:---steps 10 --seqs-per-step 32 --micro-batch 32} \

@@ -98,8 +98,10 @@ def test_bf16_packed_weights():
     up to the summation order: the logits agree with the F.linear runner's) and is refused by name without it."""
     from pipeline.runtime import cpu_has_native_bf16
 
+    if not packed_linear.available():
+        pytest.skip("this PyTorch build has no oneDNN packed linear")
     m = _model("llama", torch.bfloat16)
-    if not (cpu_has_native_bf16() and packed_linear.available()):
+    if not cpu_has_native_bf16():
         with pytest.raises(ValueError, match="bfloat16:packed needs a CPU with native bf16"):
             TargetRunner(m, "bfloat16:packed", device="cpu")
         return
@@ -108,8 +110,10 @@ def test_bf16_packed_weights():
     for spec in ("bfloat16", "bfloat16:packed"):
         r = TargetRunner(m, spec, device="cpu")
         assert all((w.packed is not None) == (spec == "bfloat16:packed") for ly in r.layers for w in (ly.qkv, ly.down))
+        assert r.lm_head.packed is not None  # the fp32 LM head is packed either way
         s = r.alloc()
         logits[spec] = torch.cat([r.forward([s], [ids[:6]]).logits, r.forward([s], [ids[6:]]).logits])
+    assert TargetRunner(m, "bfloat16:packed", device="cpu", fp32_lm_head=False).lm_head.packed is not None  # bf16 head
     a, b = logits["bfloat16"], logits["bfloat16:packed"]
     assert (a - b).abs().max() < 0.02 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9

@@ -15,8 +15,8 @@ import torch
 
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.losses import LossConfig, TargetHead
-from pipeline.target_weights import load_target_weights
 from pipeline.runtime import resolve_device
+from pipeline.target_weights import load_target_weights
 from pipeline.training import (TrainConfig, accumulate_gradients, build_drafter_config, open_store, plan,
                                step_blocks, step_sample_ids, use_bf16_autocast)
 
