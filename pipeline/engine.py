@@ -199,8 +199,8 @@ class RoundProposal:
 
 @dataclass
 class RoundBatch:
-    """One engine round over R active requests: the P prefilling requests first, then the decoding ones (each group
-    in arrival order).  Every per-request list is [R], indexed like ``requests``; the phases fill it in order."""
+    """One engine round over R active requests: the P prefilling requests first (in arrival order), then the decoding
+    ones (in cache-slot order, so their K/V are one view of the cache when the slots are consecutive).  Every per-request list is [R], indexed like ``requests``; the phases fill it in order."""
 
     requests: list  # [R] _Request
     num_prefill: int  # P
@@ -376,7 +376,8 @@ class SpeculativeEngine:
         if not reqs:
             return []
         prefill = [r for r in reqs if not r.prefilled]
-        batch = RoundBatch(requests=prefill + [r for r in reqs if r.prefilled], num_prefill=len(prefill))
+        decode = sorted((r for r in reqs if r.prefilled), key=lambda r: r.slot)
+        batch = RoundBatch(requests=prefill + decode, num_prefill=len(prefill))
         self._plan_depths(batch)
         self._run_target(batch)
         self._verify(batch)

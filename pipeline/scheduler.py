@@ -43,6 +43,9 @@ class CostTable:
         self._dense_max = max(dense_max, pts[-1][0])
         self._t = [0.0] + [self._interp(b) for b in range(1, self._dense_max + 1)]
         self._sps = [0.0] + [1.0 / t for t in self._t[1:]]
+        self._env = list(self._t)  # _env[B] = min over B' >= B of t(B') (beyond the dense range t only grows)
+        for b in range(self._dense_max - 1, 0, -1):
+            self._env[b] = min(self._env[b], self._env[b + 1])
 
     def _interp(self, b: int) -> float:
         pts = self.points
@@ -59,6 +62,13 @@ class CostTable:
 
     def step_time(self, B: int) -> float:
         return self._t[B] if 1 <= B <= self._dense_max else self._interp(max(1, int(B)))
+
+    def verify_time(self, B: int) -> float:
+        """What a verification round of B tokens is priced at: min over B' >= B of t(B').  A measured table need not
+        be monotone (on an AMD EPYC with native bf16 the fp32 forward took 57 ms for 1-2 tokens through MKL and
+        41-44 ms for 4-8 through oneDNN); priced at t(B), the early-stopping search would stop at the bump and never
+        reach the cheaper, deeper verification behind it.  Any fixed price keeps the search lossless."""
+        return self._env[B] if 1 <= B <= self._dense_max else self._interp(max(1, int(B)))
 
     def sps(self, B: int) -> float:
         return self._sps[B] if 1 <= B <= self._dense_max else 1.0 / self._interp(max(1, int(B)))
@@ -179,23 +189,44 @@ class LiveRoundCost:
         per R, interpolated between observed R, flat beyond them; 0 until a round was drafted);
       * overhead seconds per round outside drafting and the target forward (rejection sampler, bookkeeping);
       * scale = measured / profiled target step time (an EMA), so a table profiled on a quieter or busier machine
-        is corrected to today's speed without changing its shape.
+        is corrected to today's speed without changing its shape;
+      * what drafting actually gave, per R (an EMA): the realized gain of a verifying round = its tokens per second
+        ÷ those of a plain round of the same R (a measured plain round of that R when there is one, else the
+        model's).  The model prices a round by its token count B alone, but a ragged verification batch (a few deep
+        rows among many single-token ones) pads its attention to R x max depth: on a 2-core CPU at R = 16, one
+        8-token row among fifteen 1-token rows (B = 23) took 1.5x a plain round where the table said 1.3x.  The
+        realized gain tells the schedulers when drafting stopped paying.
 
     Round time (drafted): scale·t(B) + overhead + draft(R); not drafted: scale·t(R) + overhead.
     """
 
-    def __init__(self, alpha: float = 0.2):
+    def __init__(self, alpha: float = 0.2, gain_alpha: float = 0.3):
         self.alpha = float(alpha)
+        self.gain_alpha = float(gain_alpha)
         self.draft: dict = {}
         self.overhead_s = 0.0
         self.scale = 1.0
         self.rounds = 0
+        self.plain_s: dict = {}  # R -> EMA seconds of a round that drafted nothing
+        self.realized_gain: dict = {}  # R -> EMA of a verifying round's tokens/s over a plain round's
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
 
     def observe(self, cost: CostTable, num_drafted: int, draft_s: float, target_tokens: int, target_s: float,
-                round_s: float) -> None:
+                round_s: float, verified: int = 0, accepted: int = 0) -> None:
+        """verified / accepted: drafts verified and accepted over the round's requests (0 / 0: none verified)."""
+        R = int(target_tokens) - int(verified)  # requests in the round (one anchor row each)
+        if R > 0 and round_s > 0:
+            if num_drafted == 0:
+                self.plain_s[R] = self._ema(self.plain_s.get(R), float(round_s))
+            elif verified > 0:
+                plain = self.plain_s.get(R)
+                if plain is None:
+                    plain = self.scale * cost.step_time(R) + self.overhead_s
+                realized = ((R + int(accepted)) / round_s) / (R / plain)
+                old = self.realized_gain.get(R)
+                self.realized_gain[R] = realized if old is None else old + self.gain_alpha * (realized - old)
         if num_drafted > 0 and draft_s > 0:
             self.draft[int(num_drafted)] = self._ema(self.draft.get(int(num_drafted)), float(draft_s))
         if target_tokens > 0 and target_s > 0:
@@ -208,6 +239,12 @@ class LiveRoundCost:
     def new_table(self) -> None:
         """The profiled table was replaced: the scale (relative to the old one) starts over."""
         self.scale, self.rounds = 1.0, 0
+
+    def drafting_lost(self, R: int) -> bool:
+        """True when the verifying rounds of R requests measured so far gave fewer tokens per second than plain
+        rounds (None observed yet: False, the model decides)."""
+        g = self.realized_gain.get(int(R))
+        return g is not None and g < 1.0
 
     def draft_seconds(self, R: int) -> float:
         if not self.draft:
@@ -225,7 +262,9 @@ class LiveRoundCost:
 
     def to_dict(self) -> dict:
         return {"draft_s": {str(k): round(v, 5) for k, v in sorted(self.draft.items())},
-                "overhead_s": round(self.overhead_s, 5), "scale": round(self.scale, 4), "rounds": self.rounds}
+                "overhead_s": round(self.overhead_s, 5), "scale": round(self.scale, 4), "rounds": self.rounds,
+                "plain_s": {str(k): round(v, 5) for k, v in sorted(self.plain_s.items())},
+                "realized_gain": {str(k): round(v, 4) for k, v in sorted(self.realized_gain.items())}}
 
 
 # ----------------------------------------------------------------------------------------------------- schedulers
@@ -298,10 +337,12 @@ class _SharedHardware:
       looks free when the drafting round itself costs ~25% of a step.  Here Θ = τ / (scale·t(B_0 + B) + overhead +
       draft(R)), with the drafting cost, engine overhead and the table's scale measured live.
     * Whether to draft at all: after each drafted round the scheduler compares the best Θ it found with the
-      throughput of a plain decoding round, (τ_0 + R) / (scale·t(B_0 + R) + overhead).  When drafting did not pay,
-      the next rounds skip drafting (one token per request, no drafter cost), and a probe round drafts again after
-      ``refresh_every - 1`` skipped rounds, doubling while probes keep saying no (up to ``max_skip``), so an idle
-      drafter costs ~draft(R)/max_skip per round.  The decision uses past rounds only: lossless.
+      throughput of a plain decoding round, (τ_0 + R) / (scale·t(B_0 + R) + overhead), and the verifying rounds
+      of R requests so far with the plain rounds, as measured (``LiveRoundCost.realized_gain``).  When drafting did
+      not pay by either, the next rounds skip drafting (one token per request, no drafter cost), and a probe round
+      drafts again after ``refresh_every - 1`` skipped rounds, doubling while probes keep saying no (up to
+      ``max_skip``), so an idle drafter costs ~draft(R)/max_skip per round.  The decision uses past rounds only:
+      lossless.
     """
 
     base_tokens: int = 0
@@ -324,15 +365,19 @@ class _SharedHardware:
         self._skipped = 0
         self._skip_len = self.refresh_every - 1
         self._idle = False  # the last drafted round said drafting does not pay
+        self._round_acceptance = (0, 0)  # (verified, accepted) of this round, from observe_acceptance
         self.last_gain = None  # Θ(drafted) / Θ(plain) of the last drafted round
 
     def set_load(self, base_tokens: int, base_tau: float) -> None:
         self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
 
     def observe_round(self, num_drafted, draft_s, target_tokens, target_s, round_s):
-        self.live.observe(self.cost, num_drafted, draft_s, target_tokens, target_s, round_s)
+        verified, accepted = self._round_acceptance if num_drafted else (0, 0)
+        self.live.observe(self.cost, num_drafted, draft_s, target_tokens, target_s, round_s, verified, accepted)
+        self._round_acceptance = (0, 0)
 
     def observe_acceptance(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        self._round_acceptance = (int(sum(verified)), int(sum(accepted)))
         if self.online is not None and self._last_a is not None and len(verified) == self._last_a.shape[0]:
             self.online.observe(self._last_a, verified, accepted)
         self._last_a = None
@@ -348,8 +393,10 @@ class _SharedHardware:
     def _round_seconds(self, R: int, drafted: bool):
         """B (this batch's target tokens) -> seconds of one round, drafted or not."""
         lv = self.live
-        extra = lv.overhead_s + (lv.draft_seconds(R) if drafted else 0.0)
-        return lambda B: lv.scale * self.cost.step_time(self.base_tokens + B) + extra
+        if not drafted:
+            return lambda B: lv.scale * self.cost.step_time(self.base_tokens + B) + lv.overhead_s
+        extra = lv.overhead_s + lv.draft_seconds(R)
+        return lambda B: lv.scale * self.cost.verify_time(self.base_tokens + B) + extra
 
     def _search(self, a: torch.Tensor, early_stop: bool):
         return greedy_prefix_search(a, self.cost, early_stop=early_stop, base_tokens=self.base_tokens,
@@ -385,6 +432,7 @@ class _SharedHardware:
 
     def _reset_shared(self):
         self._skipped, self._skip_len, self._idle = 0, self.refresh_every - 1, False
+        self._round_acceptance = (0, 0)
 
 
 class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
@@ -416,7 +464,7 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
         return depths
 
     def draft_this_round(self, num_requests):
-        return self._draft_unless_idle(num_requests, self._idle)
+        return self._draft_unless_idle(num_requests, self._idle or self.live.drafting_lost(num_requests))
 
 
 class AsyncCapacity(_SharedHardware, VerificationScheduler):
@@ -452,7 +500,7 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
     def draft_this_round(self, num_requests):
         cap = self.capacity()
         paid = self._hist[0][1] if len(self._hist) >= self.lag else True  # no history yet: initial_capacity decides
-        idle = cap is not None and (cap <= num_requests or not paid)
+        idle = (cap is not None and (cap <= num_requests or not paid)) or self.live.drafting_lost(num_requests)
         return self._draft_unless_idle(num_requests, idle)
 
     def capacity(self) -> int | None:

@@ -383,3 +383,48 @@ def test_async_initial_capacity_before_any_history():
     assert AsyncCapacity(ct, initial_capacity=4).draft_this_round(1)  # room beyond the bonus token
     s = AsyncCapacity(ct, initial_capacity=1, refresh_every=3)
     assert [s.draft_this_round(1) for _ in range(3)] == [False, False, True]  # nothing to verify: back off
+
+
+def test_verification_priced_at_the_cheapest_larger_batch():
+    """A measured fp32 table on an AMD EPYC: 1-2 tokens through MKL cost more than 4-8 through oneDNN.  At the true
+    t(B) the early-stopping search stops at the bump (B = 2) and never verifies; priced at min over B' >= B the same
+    drafts are verified deep, and the plain round is still priced at its own t(R)."""
+    ct = CostTable({1: 0.057, 2: 0.105, 4: 0.041, 8: 0.044, 16: 0.059})
+    assert ct.verify_time(2) == pytest.approx(0.041) and ct.verify_time(1) == pytest.approx(0.041)
+    assert ct.verify_time(8) == pytest.approx(0.044) and ct.step_time(1) == pytest.approx(0.057)
+    assert ct.verify_time(100) == pytest.approx(ct.step_time(100))
+    fair = [[0.6] * 7]  # survival 0.6, 0.36, 0.22, ...: at B = 2, 1.6 / 0.105 < 1 / 0.057
+    assert HardwareAwarePrefix(ct, online_calibration=False).schedule(Z(fair), [7])[0] >= 4
+    # the paper's search on the raw table: stops at the bump
+    from pipeline.scheduler import greedy_prefix_search
+    assert greedy_prefix_search(survival(torch.tensor(fair, dtype=torch.float64), [7]), ct)[0] == [0]
+
+
+def test_realized_gain_stops_drafting_the_model_thought_paid():
+    """The model (SPS table) says verifying 16 requests x 2 tokens costs 1.2x a plain round, so sure drafts pay; the
+    rounds as measured say a verifying round took 2.5x a plain one for 1.5x the tokens.  The scheduler backs off
+    (skips with probes), and resumes when a probe's round pays."""
+    ct = CostTable({16: 1.0, 32: 1.2, 64: 1.6})
+    s = HardwareAwarePrefix(ct, refresh_every=3, online_calibration=False)
+    sure = Z([[0.95] * 3] * 16)
+    for _ in range(4):  # plain rounds: 16 tokens in 1.0 s
+        s.observe_round(0, 0.0, 16, 1.0, 1.0)
+    assert s.live.plain_s[16] == pytest.approx(1.0)
+    assert s.draft_this_round(16)
+    depths = s.schedule(sure, [3] * 16)
+    assert sum(depths) > 0 and s.last_gain > 1  # the model: it pays
+    s.observe_acceptance(depths, [1] * 16)  # 16 + 16 tokens ...
+    s.observe_round(16, 0.3, 16 + sum(depths), 2.2, 2.5)  # ... in 2.5 s: 12.8 tok/s against 16
+    assert s.live.realized_gain[16] == pytest.approx((32 / 2.5) / 16)
+    assert s.live.drafting_lost(16) and not s.live.drafting_lost(4)
+    assert [s.draft_this_round(16) for _ in range(3)] == [False, False, True]  # skip, skip, probe
+    depths = s.schedule(sure, [3] * 16)
+    s.observe_acceptance(depths, [3] * 16)  # the probe pays: 64 tokens in 2.5 s
+    s.observe_round(16, 0.3, 16 + sum(depths), 2.2, 2.5)
+    assert not s.live.drafting_lost(16)
+    assert [s.draft_this_round(16) for _ in range(3)] == [True] * 3
+    assert set(s.live.to_dict()["realized_gain"]) == {"16"}
+    # a round that verified nothing (all depths 0) is not a measurement of verification
+    s.observe_acceptance([0] * 16, [0] * 16)
+    s.observe_round(16, 0.3, 16, 1.0, 1.3)
+    assert s.live.realized_gain[16] > 1

@@ -186,6 +186,11 @@ def test_slots_reuse_and_limits():
     r.free(a)
     c = r.alloc()
     assert r.length(c) == 0
+    # the lowest free slot comes first, so the slots in use stay packed (one K/V view for a batch in slot order)
+    d, e = r.alloc(), r.alloc()
+    r.free(min(c, b, d))
+    r.free(e)
+    assert r.alloc() == min(c, b, d) and r.alloc() == min(e, *(set(range(4)) - {b, c, d}))
     with pytest.raises(ValueError):
         r.forward([b], [list(range(16))])  # 1 + 16 > max_seq_len
     with pytest.raises(ValueError):
