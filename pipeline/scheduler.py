@@ -190,25 +190,28 @@ class LiveRoundCost:
       * overhead seconds per round outside drafting and the target forward (rejection sampler, bookkeeping);
       * scale = measured / profiled target step time (an EMA), so a table profiled on a quieter or busier machine
         is corrected to today's speed without changing its shape;
-      * what drafting actually gave, per R (an EMA): the realized gain of a verifying round = its tokens per second
+      * what drafting actually gave, per R: the realized gain = tokens per second of the rounds that verified drafts
         ÷ those of a plain round of the same R (a measured plain round of that R when there is one, else the
-        model's).  The model prices a round by its token count B alone, but a ragged verification batch (a few deep
-        rows among many single-token ones) pads its attention to R x max depth: on a 2-core CPU at R = 16, one
-        8-token row among fifteen 1-token rows (B = 23) took 1.5x a plain round where the table said 1.3x.  The
+        model's), as a ratio of averaged tokens and seconds (a running mean over the first 1/gain_alpha verifying
+        rounds, then an EMA), trusted from ``min_gain_rounds`` rounds on: one round's accepted count is too noisy
+        (0..γ) to judge by.  The model prices a round by its token count B alone, but a ragged verification batch (a
+        few deep rows among many single-token ones) pads its attention to R x max depth: on a 2-core CPU at R = 16,
+        one 8-token row among fifteen 1-token rows (B = 23) took 1.5x a plain round where the table said 1.3x.  The
         realized gain tells the schedulers when drafting stopped paying.
 
     Round time (drafted): scale·t(B) + overhead + draft(R); not drafted: scale·t(R) + overhead.
     """
 
-    def __init__(self, alpha: float = 0.2, gain_alpha: float = 0.3):
+    def __init__(self, alpha: float = 0.2, gain_alpha: float = 0.05, min_gain_rounds: int = 8):
         self.alpha = float(alpha)
         self.gain_alpha = float(gain_alpha)
+        self.min_gain_rounds = int(min_gain_rounds)
         self.draft: dict = {}
         self.overhead_s = 0.0
         self.scale = 1.0
         self.rounds = 0
         self.plain_s: dict = {}  # R -> EMA seconds of a round that drafted nothing
-        self.realized_gain: dict = {}  # R -> EMA of a verifying round's tokens/s over a plain round's
+        self._verifying: dict = {}  # R -> [rounds, mean tokens, mean seconds, mean plain-round seconds]
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -224,9 +227,11 @@ class LiveRoundCost:
                 plain = self.plain_s.get(R)
                 if plain is None:
                     plain = self.scale * cost.step_time(R) + self.overhead_s
-                realized = ((R + int(accepted)) / round_s) / (R / plain)
-                old = self.realized_gain.get(R)
-                self.realized_gain[R] = realized if old is None else old + self.gain_alpha * (realized - old)
+                v = self._verifying.setdefault(R, [0, 0.0, 0.0, 0.0])
+                v[0] += 1
+                w = max(1.0 / v[0], self.gain_alpha)
+                for i, x in ((1, R + int(accepted)), (2, float(round_s)), (3, plain)):
+                    v[i] += w * (x - v[i])
         if num_drafted > 0 and draft_s > 0:
             self.draft[int(num_drafted)] = self._ema(self.draft.get(int(num_drafted)), float(draft_s))
         if target_tokens > 0 and target_s > 0:
@@ -243,8 +248,13 @@ class LiveRoundCost:
     def drafting_lost(self, R: int) -> bool:
         """True when the verifying rounds of R requests measured so far gave fewer tokens per second than plain
         rounds (None observed yet: False, the model decides)."""
-        g = self.realized_gain.get(int(R))
-        return g is not None and g < 1.0
+        v = self._verifying.get(int(R))
+        return v is not None and v[0] >= self.min_gain_rounds and self.realized_gain(R) < 1.0
+
+    def realized_gain(self, R: int) -> float | None:
+        """Tokens/s of the verifying rounds of R requests ÷ a plain round's (None before any)."""
+        v = self._verifying.get(int(R))
+        return None if v is None else (v[1] / v[2]) / (int(R) / v[3])
 
     def draft_seconds(self, R: int) -> float:
         if not self.draft:
@@ -264,7 +274,8 @@ class LiveRoundCost:
         return {"draft_s": {str(k): round(v, 5) for k, v in sorted(self.draft.items())},
                 "overhead_s": round(self.overhead_s, 5), "scale": round(self.scale, 4), "rounds": self.rounds,
                 "plain_s": {str(k): round(v, 5) for k, v in sorted(self.plain_s.items())},
-                "realized_gain": {str(k): round(v, 4) for k, v in sorted(self.realized_gain.items())}}
+                "realized_gain": {str(k): [v[0], round(self.realized_gain(k), 4)] for k, v in
+                                  sorted(self._verifying.items())}}
 
 
 # ----------------------------------------------------------------------------------------------------- schedulers
@@ -341,7 +352,8 @@ class _SharedHardware:
       of R requests so far with the plain rounds, as measured (``LiveRoundCost.realized_gain``).  When drafting did
       not pay by either, the next rounds skip drafting (one token per request, no drafter cost), and a probe round
       drafts again after ``refresh_every - 1`` skipped rounds, doubling while probes keep saying no (up to
-      ``max_skip``), so an idle drafter costs ~draft(R)/max_skip per round.  The decision uses past rounds only:
+      ``max_skip``), so an idle drafter costs ~draft(R)/max_skip per round; when the batch halves from the largest
+      one seen while idle, the next round probes at once (the load fell).  The decision uses past rounds only:
       lossless.
     """
 
@@ -366,6 +378,7 @@ class _SharedHardware:
         self._skip_len = self.refresh_every - 1
         self._idle = False  # the last drafted round said drafting does not pay
         self._round_acceptance = (0, 0)  # (verified, accepted) of this round, from observe_acceptance
+        self._idle_requests = 0  # the most requests a round had while drafting did not pay
         self.last_gain = None  # Θ(drafted) / Θ(plain) of the last drafted round
 
     def set_load(self, base_tokens: int, base_tau: float) -> None:
@@ -420,9 +433,11 @@ class _SharedHardware:
         while the past rounds say drafting does not pay, skip, with probe rounds at growing intervals."""
         if not self._budget_left(num_requests):
             return False
-        if not idle or self.refresh_every == 1:
-            self._skipped, self._skip_len = 0, self.refresh_every - 1
+        if not idle or self.refresh_every == 1 or 2 * num_requests <= self._idle_requests:
+            # drafting pays, no back-off, or the batch halved since the round that said no: look again now
+            self._skipped, self._skip_len, self._idle_requests = 0, self.refresh_every - 1, 0
             return True
+        self._idle_requests = max(self._idle_requests, num_requests)
         if self._skipped < self._skip_len:
             self._skipped += 1
             return False
@@ -432,7 +447,7 @@ class _SharedHardware:
 
     def _reset_shared(self):
         self._skipped, self._skip_len, self._idle = 0, self.refresh_every - 1, False
-        self._round_acceptance = (0, 0)
+        self._round_acceptance, self._idle_requests = (0, 0), 0
 
 
 class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):

@@ -78,6 +78,34 @@ def test_implausible_profiles_are_measured_again(tmp_path):
     assert CostTable.load(path).points == table.points and "inversion" in table.meta
 
 
+def test_a_reproduced_inversion_is_kept_as_the_hardware_curve(tmp_path, monkeypatch):
+    """Two profiles that agree on a non-monotone curve (MKL's slow 1-2 row GEMM on an AMD EPYC): kept after the
+    second attempt, cached, and loaded next time without profiling again."""
+    from serve_app import replica
+    from serve_app.replica import ReplicaOptions, cost_table_key, load_or_profile_cost_table, same_shape
+
+    curves = iter([{1: 0.057, 2: 0.100, 4: 0.041, 8: 0.044}, {1: 0.060, 2: 0.105, 4: 0.043, 8: 0.045},
+                   {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.013}])
+    calls = []
+
+    def fake_profile(runner, **kw):
+        calls.append(kw)
+        return CostTable(next(curves))
+
+    monkeypatch.setattr(replica.CostTable, "profile", staticmethod(fake_profile))
+    assert same_shape(CostTable({1: 1.0, 2: 2.0}), CostTable({1: 1.1, 2: 1.9}))
+    assert not same_shape(CostTable({1: 1.0, 2: 2.0}), CostTable({1: 1.0, 2: 2.5}))
+    target = tmp_path / "target"
+    target.mkdir()
+    opts = ReplicaOptions(target=str(target), cache_dir=str(tmp_path / "cache"), profile_batch_sizes=[1, 2, 4, 8])
+    table, path, profiled = load_or_profile_cost_table(None, opts, 8)
+    assert profiled and len(calls) == 2 and table.meta["inversion_reproduced"]
+    assert table.step_time(1) == pytest.approx(0.060) and table.verify_time(1) == pytest.approx(0.043)
+    again, _, profiled = load_or_profile_cost_table(None, opts, 8)
+    assert not profiled and len(calls) == 2 and again.points == table.points
+    assert path.name == f"sps-{cost_table_key(opts, 8)}.json"
+
+
 # ------------------------------------------------------------------------------------------------ simple rules
 def test_fixed_depth_and_static_threshold():
     assert FixedDepth(3).schedule(None, [7, 2, 0]) == [3, 2, 0]
@@ -402,29 +430,39 @@ def test_verification_priced_at_the_cheapest_larger_batch():
 
 def test_realized_gain_stops_drafting_the_model_thought_paid():
     """The model (SPS table) says verifying 16 requests x 2 tokens costs 1.2x a plain round, so sure drafts pay; the
-    rounds as measured say a verifying round took 2.5x a plain one for 1.5x the tokens.  The scheduler backs off
-    (skips with probes), and resumes when a probe's round pays."""
+    rounds as measured say a verifying round took 2.5x a plain one for 2x the tokens.  From the 8th such round the
+    scheduler backs off (skips with probes), and resumes once the verifying rounds pay on average."""
     ct = CostTable({16: 1.0, 32: 1.2, 64: 1.6})
     s = HardwareAwarePrefix(ct, refresh_every=3, online_calibration=False)
     sure = Z([[0.95] * 3] * 16)
     for _ in range(4):  # plain rounds: 16 tokens in 1.0 s
         s.observe_round(0, 0.0, 16, 1.0, 1.0)
     assert s.live.plain_s[16] == pytest.approx(1.0)
-    assert s.draft_this_round(16)
-    depths = s.schedule(sure, [3] * 16)
-    assert sum(depths) > 0 and s.last_gain > 1  # the model: it pays
-    s.observe_acceptance(depths, [1] * 16)  # 16 + 16 tokens ...
-    s.observe_round(16, 0.3, 16 + sum(depths), 2.2, 2.5)  # ... in 2.5 s: 12.8 tok/s against 16
-    assert s.live.realized_gain[16] == pytest.approx((32 / 2.5) / 16)
+
+    def verifying_round(accepted_each):
+        depths = s.schedule(sure, [3] * 16)
+        assert sum(depths) > 0 and s.last_gain > 1  # the model: it pays
+        s.observe_acceptance(depths, [accepted_each] * 16)
+        s.observe_round(16, 0.3, 16 + sum(depths), 2.2, 2.5)
+
+    for k in range(8):
+        assert s.draft_this_round(16)  # fewer than 8 verifying rounds: the model decides
+        verifying_round(1)  # 32 tokens in 2.5 s: 12.8 tok/s against 16
+    assert s.live.realized_gain(16) == pytest.approx((32 / 2.5) / 16)
     assert s.live.drafting_lost(16) and not s.live.drafting_lost(4)
     assert [s.draft_this_round(16) for _ in range(3)] == [False, False, True]  # skip, skip, probe
-    depths = s.schedule(sure, [3] * 16)
-    s.observe_acceptance(depths, [3] * 16)  # the probe pays: 64 tokens in 2.5 s
-    s.observe_round(16, 0.3, 16 + sum(depths), 2.2, 2.5)
-    assert not s.live.drafting_lost(16)
-    assert [s.draft_this_round(16) for _ in range(3)] == [True] * 3
-    assert set(s.live.to_dict()["realized_gain"]) == {"16"}
+    verifying_round(3)  # a probe that pays (64 tokens) is one round of 9: the mean still says no
+    assert s.live.drafting_lost(16)
+    assert [s.draft_this_round(16) for _ in range(6)] == [False] * 5 + [True]
+    # the load halves: probe at once (the back-off was about 16 requests), and 8 requests have no verdict yet
+    s.schedule(Z([[0.05] * 3] * 16), [3] * 16)  # a probe at 16 that admits nothing
+    assert not s.draft_this_round(16) and s.draft_this_round(8)
+    assert s.schedule(Z([[0.95] * 3] * 8), [3] * 8) != [0] * 8 and s.draft_this_round(8)
+    for _ in range(30):
+        verifying_round(3)
+    assert not s.live.drafting_lost(16) and s.live.realized_gain(16) > 1
+    assert s.live.to_dict()["realized_gain"]["16"][0] == 39
     # a round that verified nothing (all depths 0) is not a measurement of verification
     s.observe_acceptance([0] * 16, [0] * 16)
     s.observe_round(16, 0.3, 16, 1.0, 1.3)
-    assert s.live.realized_gain[16] > 1
+    assert s.live.to_dict()["realized_gain"]["16"][0] == 39
