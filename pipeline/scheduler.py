@@ -13,6 +13,7 @@ no-break search (``HardwareAwarePrefix(early_stop=False)``) does not -- docs/dsp
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from pathlib import Path
 from typing import Sequence
@@ -181,6 +182,13 @@ def admitted_survival(a: torch.Tensor, depths: Sequence[int]) -> float:
     return float(torch.where(keep, a.double(), torch.zeros_like(a, dtype=torch.float64)).sum())
 
 
+def gain_bucket(R: int) -> int:
+    """The realized gain is kept per batch size class: 1, 2, 3, then the power of two nearest R (4: 4-5, 8: 6-11,
+    16: 12-22, ...), so a batch that moves by a request or two as streams come and go keeps its verdict."""
+    R = int(R)
+    return R if R <= 3 else 1 << round(math.log2(R))
+
+
 class LiveRoundCost:
     """What a round costs beyond the profiled target step, measured live (the engine reports every round through
     ``VerificationScheduler.observe_round``):
@@ -197,15 +205,18 @@ class LiveRoundCost:
         (0..γ) to judge by.  The model prices a round by its token count B alone, but a ragged verification batch (a
         few deep rows among many single-token ones) pads its attention to R x max depth: on a 2-core CPU at R = 16,
         one 8-token row among fifteen 1-token rows (B = 23) took 1.5x a plain round where the table said 1.3x.  The
-        realized gain tells the schedulers when drafting stopped paying.
+        realized gain tells the schedulers when drafting stopped paying: below ``loss_margin`` (0.9, a margin for
+        the noise of a shared machine), per batch size class (``gain_bucket``).
 
     Round time (drafted): scale·t(B) + overhead + draft(R); not drafted: scale·t(R) + overhead.
     """
 
-    def __init__(self, alpha: float = 0.2, gain_alpha: float = 0.05, min_gain_rounds: int = 8):
+    def __init__(self, alpha: float = 0.2, gain_alpha: float = 0.05, min_gain_rounds: int = 8,
+                 loss_margin: float = 0.9):
         self.alpha = float(alpha)
         self.gain_alpha = float(gain_alpha)
         self.min_gain_rounds = int(min_gain_rounds)
+        self.loss_margin = float(loss_margin)
         self.draft: dict = {}
         self.overhead_s = 0.0
         self.scale = 1.0
@@ -227,10 +238,10 @@ class LiveRoundCost:
                 plain = self.plain_s.get(R)
                 if plain is None:
                     plain = self.scale * cost.step_time(R) + self.overhead_s
-                v = self._verifying.setdefault(R, [0, 0.0, 0.0, 0.0])
+                v = self._verifying.setdefault(gain_bucket(R), [0, 0.0, 0.0, 0.0])
                 v[0] += 1
                 w = max(1.0 / v[0], self.gain_alpha)
-                for i, x in ((1, R + int(accepted)), (2, float(round_s)), (3, plain)):
+                for i, x in ((1, (R + int(accepted)) / R), (2, float(round_s)), (3, plain)):
                     v[i] += w * (x - v[i])
         if num_drafted > 0 and draft_s > 0:
             self.draft[int(num_drafted)] = self._ema(self.draft.get(int(num_drafted)), float(draft_s))
@@ -248,13 +259,14 @@ class LiveRoundCost:
     def drafting_lost(self, R: int) -> bool:
         """True when the verifying rounds of R requests measured so far gave fewer tokens per second than plain
         rounds (None observed yet: False, the model decides)."""
-        v = self._verifying.get(int(R))
-        return v is not None and v[0] >= self.min_gain_rounds and self.realized_gain(R) < 1.0
+        v = self._verifying.get(gain_bucket(R))
+        return v is not None and v[0] >= self.min_gain_rounds and self.realized_gain(R) < self.loss_margin
 
     def realized_gain(self, R: int) -> float | None:
-        """Tokens/s of the verifying rounds of R requests ÷ a plain round's (None before any)."""
-        v = self._verifying.get(int(R))
-        return None if v is None else (v[1] / v[2]) / (int(R) / v[3])
+        """Tokens/s of the verifying rounds of about R requests (``gain_bucket``) ÷ a plain round's (None before
+        any): averaged tokens per request per round x averaged plain-round seconds ÷ averaged round seconds."""
+        v = self._verifying.get(gain_bucket(R))
+        return None if v is None else v[1] * v[3] / v[2]
 
     def draft_seconds(self, R: int) -> float:
         if not self.draft:
@@ -275,7 +287,7 @@ class LiveRoundCost:
                 "overhead_s": round(self.overhead_s, 5), "scale": round(self.scale, 4), "rounds": self.rounds,
                 "plain_s": {str(k): round(v, 5) for k, v in sorted(self.plain_s.items())},
                 "realized_gain": {str(k): [v[0], round(self.realized_gain(k), 4)] for k, v in
-                                  sorted(self._verifying.items())}}
+                                  sorted(self._verifying.items())}}  # bucket -> [rounds, gain]
 
 
 # ----------------------------------------------------------------------------------------------------- schedulers

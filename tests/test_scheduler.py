@@ -10,7 +10,7 @@ from pipeline.rejection_sampler import RejectionSampler
 from pipeline.sampling import SamplingParams
 from pipeline.dspark.calibration import OnlineCalibration
 from pipeline.scheduler import (AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix, LiveRoundCost,
-                                StaticThreshold, make_scheduler, sorted_candidates, survival)
+                                StaticThreshold, gain_bucket, make_scheduler, sorted_candidates, survival)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -449,10 +449,11 @@ def test_realized_gain_stops_drafting_the_model_thought_paid():
         assert s.draft_this_round(16)  # fewer than 8 verifying rounds: the model decides
         verifying_round(1)  # 32 tokens in 2.5 s: 12.8 tok/s against 16
     assert s.live.realized_gain(16) == pytest.approx((32 / 2.5) / 16)
-    assert s.live.drafting_lost(16) and not s.live.drafting_lost(4)
+    assert s.live.drafting_lost(16) and not s.live.drafting_lost(4) and not s.live.drafting_lost(8)
+    assert [gain_bucket(r) for r in (1, 2, 3, 4, 5, 6, 11, 12, 22, 23)] == [1, 2, 3, 4, 4, 8, 8, 16, 16, 32]
     assert [s.draft_this_round(16) for _ in range(3)] == [False, False, True]  # skip, skip, probe
-    verifying_round(3)  # a probe that pays (64 tokens) is one round of 9: the mean still says no
-    assert s.live.drafting_lost(16)
+    verifying_round(2)  # a probe that pays (48 tokens) is one round of 9: the mean still says no
+    assert s.live.drafting_lost(16) and s.live.drafting_lost(14)  # 12-22 requests share the verdict
     assert [s.draft_this_round(16) for _ in range(6)] == [False] * 5 + [True]
     # the load halves: probe at once (the back-off was about 16 requests), and 8 requests have no verdict yet
     s.schedule(Z([[0.05] * 3] * 16), [3] * 16)  # a probe at 16 that admits nothing
