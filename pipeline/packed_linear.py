@@ -73,6 +73,31 @@ class PackedWeight:
         return F.linear(x, self.weight, self.bias)
 
 
+_FLINEAR_WINS_ONE_ROW: dict = {}  # hidden size -> whether F.linear beat the packed weight at 1 row (this process)
+
+
+def flinear_wins_one_row(d: int, reps: int = 15) -> bool:
+    """Whether F.linear (MKL) beats the oneDNN-packed layout for one input row through an fp32 [4d, d] weight on this
+    CPU: measured once per process and hidden size (interleaved, medians; a few ms), so every runner of a process
+    takes the same automatic back end.  On a 2-core AMD EPYC with AVX2 only MKL was ~10% faster at 1-2 rows; on one
+    with avx512_bf16 the fp32 forward took 55 ms per token with MKL at 1 row and 43 ms packed."""
+    if d not in _FLINEAR_WINS_ONE_ROW:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(4 * d, d, generator=g)
+        pw = PackedWeight(w, None, True, 0)
+        x = torch.randn(1, d, generator=g)
+        times = {False: [], True: []}
+        for k in range(reps + 1):
+            for use_packed in ((False, True) if k % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                for _ in range(8):
+                    packed_linear(x, pw.packed, None) if use_packed else F.linear(x, w)
+                if k:
+                    times[use_packed].append(time.perf_counter() - t0)
+        _FLINEAR_WINS_ONE_ROW[d] = statistics.median(times[False]) < statistics.median(times[True])
+    return _FLINEAR_WINS_ONE_ROW[d]
+
+
 def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 16), reps: int = 5) -> dict[str, int]:
     """Set ``flinear_max_rows`` of every weight in each group (weights of one shape, e.g. every layer's q/k/v) to the
     largest of ``rows`` up to which F.linear beat the packed weight at EVERY row count (0: packed from 1 row).

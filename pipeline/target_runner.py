@@ -59,7 +59,7 @@ HYBRID_FLINEAR_ROWS = 2
 
 def parse_precision(spec: str | torch.dtype) -> tuple[torch.dtype, str | None]:
     """``"float32"`` | ``"float32:packed"`` | ``"float32:mkl"`` | ``"float32:hybrid"`` | ``"float32:tuned"`` | ... ->
-    (dtype, linear back end).  The suffix picks the CPU linear back end (None = automatic: hybrid where available)."""
+    (dtype, linear back end).  The suffix picks the CPU linear back end (None = automatic, see TargetRunner)."""
     if isinstance(spec, torch.dtype):
         return spec, None
     name, _, backend = str(spec).partition(":")
@@ -183,7 +183,8 @@ class TargetRunner:
                  init_len: int = 256, huge_page_arena: bool = False):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype; its suffix
         picks the CPU linear back end of fp32 weights (pipeline/packed_linear.py; "bfloat16:packed" packs bf16 weights
-        too, on a CPU with native bf16), without one "hybrid" on CPU when oneDNN is available, else F.linear.
+        too, on a CPU with native bf16), without one on CPU with oneDNN "hybrid" where MKL's F.linear beats the
+        packed layout at 1 row and "packed" where it does not (measured once per process), else F.linear.
         huge_page_arena (CPU, opt-in until it is shown to pay): the plain linear weights live in one block backed by
         transparent huge pages (pipeline/hugepages.py)."""
         self.dtype, backend = parse_precision(dtype)
@@ -232,8 +233,13 @@ class TargetRunner:
         can_pack = self.device.type == "cpu" and pl.available()
         if backend in ("packed", "hybrid", "tuned") and not can_pack:
             raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
-        # automatic: hybrid on CPU (measured fastest for 1 row AND for verification batches; README), else F.linear
-        self.linear_backend = backend or ("hybrid" if can_pack else "mkl")
+        # automatic on CPU: hybrid where MKL's F.linear beats the packed layout at 1 row (an AVX2 EPYC: hybrid was
+        # the fastest for 1 row AND for verification batches), packed where it does not (an avx512_bf16 EPYC: MKL's
+        # 1-2 row GEMM is the slow one); measured once per process (packed_linear.flinear_wins_one_row); else F.linear
+        if backend is None and can_pack:
+            one_row_flinear = dt != torch.float32 or pl.flinear_wins_one_row(self.config.hidden_size)
+            backend = "hybrid" if one_row_flinear else "packed"
+        self.linear_backend = backend or "mkl"
         self.packed_linear = self.linear_backend != "mkl"
         flinear_rows = HYBRID_FLINEAR_ROWS if self.linear_backend in ("hybrid", "tuned") else 0
 

@@ -47,7 +47,7 @@ INGRESS_OPTIONS = {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "max_ongoing_r
                    "ray_actor_options": {"num_cpus": 0}}
 CPU_KV_CACHE_GB = 1  # --vllm-device cpu: VLLM_CPU_KVCACHE_SPACE of a replica
 VLLM_DTYPE = "bfloat16"  # --dtype auto on the vLLM engine (GPU)
-NATIVE_DTYPE = "float32"  # --dtype auto on the native engine (float32 = float32:hybrid on CPU)
+NATIVE_DTYPE = "float32"  # --dtype auto on the native engine (CPU linear back end chosen by measurement)
 
 
 @dataclass
@@ -70,7 +70,8 @@ class ServeConfig:
     dtype: str = field(default="auto", metadata={"help": "target / drafter dtype (auto | float32 | bfloat16); auto "
                                                         "= float32 on the native engine, bfloat16 on vLLM; on CPU "
                                                         "float32 = float32:hybrid (MKL's F.linear for 1-2 rows, "
-                                                        "oneDNN pre-packed weights above); float32:packed, "
+                                                        "oneDNN pre-packed weights above) where MKL wins at 1 row, "
+                                                        "else float32:packed; float32:hybrid, float32:packed, "
                                                         "float32:mkl force one of them; bfloat16:packed packs "
                                                         "bf16 weights (CPUs with native bf16)"})
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})

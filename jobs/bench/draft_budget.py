@@ -33,8 +33,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--drafter", help="exported drafter folder (default: random weights, see --draft-vocab)")
     ap.add_argument("--draft-vocab", type=int, default=2496, help="draft vocabulary of the random drafter")
     ap.add_argument("--target", default=None, help="HF folder (default: the prepared SmolLM2 target)")
-    ap.add_argument("--dtype", default="float32", help="target precision (float32 = float32:hybrid on CPU; "
-                    "float32:packed, float32:mkl)")
+    ap.add_argument("--dtype", default="float32", help="target precision (float32: automatic CPU back end; "
+                    "float32:hybrid, float32:packed, float32:mkl)")
     ap.add_argument("--context", type=int, default=300, help="tokens already in both caches")
     ap.add_argument("--accepted", type=int, default=1, help="accepted drafts per round for the context update")
     ap.add_argument("--reps", type=int, default=40)
