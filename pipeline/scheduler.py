@@ -222,7 +222,8 @@ class LiveRoundCost:
         self.scale = 1.0
         self.rounds = 0
         self.plain_s: dict = {}  # R -> EMA seconds of a round that drafted nothing
-        self._verifying: dict = {}  # R -> [rounds, mean tokens, mean seconds, mean plain-round seconds]
+        # gain_bucket(R) -> [verifying rounds, mean tokens per request, mean round seconds, mean plain-round seconds]
+        self._verifying: dict = {}
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -257,8 +258,8 @@ class LiveRoundCost:
         self.scale, self.rounds = 1.0, 0
 
     def drafting_lost(self, R: int) -> bool:
-        """True when the verifying rounds of R requests measured so far gave fewer tokens per second than plain
-        rounds (None observed yet: False, the model decides)."""
+        """True when the verifying rounds of about R requests measured so far (at least ``min_gain_rounds``) gave
+        under ``loss_margin`` x the tokens per second of plain rounds (fewer observed: False, the model decides)."""
         v = self._verifying.get(gain_bucket(R))
         return v is not None and v[0] >= self.min_gain_rounds and self.realized_gain(R) < self.loss_margin
 
