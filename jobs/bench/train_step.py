@@ -37,6 +37,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward (jobs.train's flag)")
     ap.add_argument("--device", default="cpu", help="torch device: cpu, cuda, auto (bf16 autocast on CUDA, as "
                     "jobs.train's --bf16 default); each part is timed after a device synchronisation")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="draft vocabulary size (jobs.train's flag; default: 99%% coverage of the store's tokens)")
+    ap.add_argument("--bf16", choices=["auto", "true", "false"], default="auto",
+                    help="bf16 autocast: auto = jobs.train's default (CUDA, or a CPU that measures it faster)")
 
 
 def run(a, harness) -> dict:
@@ -47,7 +51,8 @@ def run(a, harness) -> dict:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = TrainConfig(data=Path(a.data), out=harness.out_dir / "train", drafter=a.drafter,
-                      seqs_per_step=a.seqs_per_step, micro_batch=a.micro_batch)
+                      seqs_per_step=a.seqs_per_step, micro_batch=a.micro_batch,
+                      bf16=None if a.bf16 == "auto" else a.bf16 == "true", draft_vocab_size=a.draft_vocab_size)
     device = torch.device(resolve_device(a.device))
     bf16 = use_bf16_autocast(cfg, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

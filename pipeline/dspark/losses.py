@@ -107,7 +107,13 @@ class TargetHead(nn.Module):
     @torch.no_grad()
     def draft_probs(self, hidden: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         """hidden [N,d] -> (pt_d [N,V_d] fp32, mass_out [N] fp32).  `stats` = precomputed (lse, mass_out) [N];
-        mass_out None -> 1 - Σ pt_d (the full-vocabulary lse is all that a store needs to keep)."""
+        mass_out None -> 1 - Σ pt_d (the full-vocabulary lse is all that a store needs to keep).
+
+        On a CPU the teacher stays fp32 under bf16 autocast: casting the [V, d] head to bf16 at every call cost more
+        than the bf16 GEMM saved (an AMX Xeon spent a quarter of a bf16 training step in those copies)."""
+        if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return self.draft_probs(hidden, stats)
         h = hidden.float()
         logits_d = h @ self.weight[:self.Vd].T  # [N, V_d]
         if stats is None:
