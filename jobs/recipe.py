@@ -11,10 +11,11 @@ Stages 1 and 2 share their two fractions and run in rounds: each round answers t
 stores the new responses' hidden states, measures what that cost (the engines' start-up and a cost per response),
 and grows every source's share to what the rest of the two stages' budget fits, until less than one batch more fits
 (the first round is a small probe; a source's prompts are a seeded shuffle cut to its share, so growing keeps every
-answered request id and resumes).  Training runs a short probe to measure seconds per step, then trains both
-drafters for the same number of steps in its share of the budget, plus what stages 1-2 left unused or less what they
-overran (down to half the share).  Every stage is the code of its own job (jobs.generate / extract / train /
-calibrate / evaluate) and resumable: a rerun continues where the last one stopped and never redoes a finished stage.
+answered request id and resumes).  Training runs a short probe of each drafter, logging as the full run logs, to
+measure its seconds per step and its start-up, then trains both drafters for the same number of steps in its share
+of the budget, plus what stages 1-2 left unused or less what they overran (down to half the share).  Every stage is
+the code of its own job (jobs.generate / extract / train / calibrate / evaluate) and resumable: a rerun continues
+where the last one stopped and never redoes a finished stage.
 Writes <out>/recipe_results.json (stage times and their estimates, data sizes, tau and speed per suite and system),
 <out>/learning_curves.png and the evaluation's PNGs under <out>/eval."""
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from pipeline.config_fields import target_field, temperature_field
 from pipeline.recipe import (BudgetSplit, decode_seconds, mix_sizes, next_growth, parse_mix, plan_budget,
-                             steps_that_fit, training_seconds, write_mix)
+                             probe_step_seconds, steps_that_fit, training_seconds, write_mix)
 from pipeline.runtime import apply_env, run_job_main
 from pipeline.shards import atomic_write_json
 
@@ -107,7 +108,7 @@ def main(argv=None):
     from pipeline.runtime import init_ray, resolve_device
     from pipeline.shards import ShardSet
     from pipeline.target_model import resolve_target
-    from pipeline.training import plot_learning_curves
+    from pipeline.training import TrainConfig, plot_learning_curves
 
     cfg = parse_config(RecipeConfig, argv, description=__doc__)
     mix = parse_mix(cfg.prompts or [str(DEFAULT_PROMPTS)])
@@ -222,22 +223,30 @@ def main(argv=None):
     extra = shlex.split(cfg.train_args)
 
     def probe_train():
-        probe_dir = out / "train_probe"
         t = time.time()
-        train_main(["--data", str(hidden), "--out", str(probe_dir), "--max-steps", "6", "--log-every", "1",
-                    "--eval-every", "1000000", "--checkpoint-every", "1000000", *extra, *tgt])
-        rows = [json.loads(x) for x in (probe_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        times = [r["time"] for r in rows if "time" in r]
-        step_s = (times[-1] - times[1]) / (len(times) - 2) if len(times) >= 3 else (time.time() - t) / 6
+        run = parse_config(TrainConfig, ["--data", str(hidden), *extra])  # the full runs' logging and evaluation
+        probe_steps, probe_eval = 4 * run.log_every, 2 * run.log_every  # rows at 1-4 x log_every, evaluations at 2, 4
+        step_s, fixed_s = {}, 0.0
+        for kind in ("dspark", "dflash"):  # each drafter's own step time: a dflash step is the cheaper one
+            probe_dir, t_kind = out / f"train_probe_{kind}", time.time()
+            train_main(["--data", str(hidden), "--out", str(probe_dir), "--drafter", kind, *extra,
+                        "--max-steps", str(probe_steps), "--eval-every", str(probe_eval), "--checkpoint-every",
+                        "1000000", *tgt])
+            rows = [json.loads(x) for x in (probe_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            step_s[kind] = probe_step_seconds([(r["step"], r["time"]) for r in rows if "time" in r],
+                                              {probe_eval, probe_steps}, run.eval_every)
+            # start-up, the last evaluation and the export: paid once per drafter, whatever its number of steps
+            fixed_s += max(0.0, time.time() - t_kind - probe_steps * step_s[kind])
         probe_s = time.time() - t
         train_s = training_seconds(budget["train"], sum(stage_seconds.values()), sum(budget.values()),
                                    budget["calibrate"] + budget["evaluate"])
         if abs(train_s - budget["train"]) > 30:
             print(f"[recipe] stages 1-2 {'overran' if train_s < budget['train'] else 'left time unused'}: training "
                   f"gets {train_s / 60:.1f} min (planned {budget['train'] / 60:.1f})")
-        steps = steps_that_fit(train_s - probe_s, step_s, drafters=2, minimum=cfg.min_steps)
-        state.set(train_step_seconds=step_s, train_steps=steps)
-        print(f"[recipe] training probe: {step_s:.2f} s/step -> {steps} steps per drafter")
+        steps = steps_that_fit(train_s - probe_s - fixed_s, list(step_s.values()), minimum=cfg.min_steps)
+        state.set(train_step_seconds=step_s, train_fixed_seconds=fixed_s, train_steps=steps)
+        print(f"[recipe] training probe: " + ", ".join(f"{k} {v:.2f} s/step" for k, v in step_s.items())
+              + f" + {fixed_s:.0f} s start-up -> {steps} steps per drafter")
 
     run_stage("train probe", state.get("train_steps") is not None, probe_train)
     steps = state.get("train_steps")

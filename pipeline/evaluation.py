@@ -165,7 +165,7 @@ def drafter_schedulers(cfg: EvalConfig, has_conf: bool) -> list[str]:
     """The schedulers a drafter runs under: --scheduler, then --also-schedulers; a drafter without a confidence head
     (DFlash) can only be verified at fixed depth."""
     scheds = [cfg.scheduler if has_conf or cfg.scheduler == "fixed" else "fixed"]
-    return scheds + [s for s in cfg.also_schedulers if has_conf and s not in scheds]
+    return list(dict.fromkeys(scheds + [s for s in cfg.also_schedulers if has_conf]))
 
 
 def planned_systems(cfg: EvalConfig, drafters: list[tuple[str, bool]]) -> list[str]:
@@ -287,6 +287,7 @@ def plot_acceptance(results: dict, png: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     benches = list(results["benchmarks"])
     fig, axes = plt.subplots(1, len(benches) + 1, figsize=(4 * (len(benches) + 1), 3.3), squeeze=False)
@@ -299,6 +300,7 @@ def plot_acceptance(results: dict, png: Path) -> None:
                         label=f"{name} (τ={s['tau']:.2f})")
         ax.set_title(title)
         ax.set_xlabel("draft position k")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("P(accept k | 1..k-1 accepted)")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)

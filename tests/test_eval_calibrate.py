@@ -195,3 +195,14 @@ def test_evaluate_on_a_training_runs_heldout_prompts(smol_drafter, target_dir, t
     assert max(s["speedup_vs_fastest_baseline"] for s in plain.values()) == pytest.approx(1.0)
     with pytest.raises(SystemExit):  # a precision vLLM baselines do not take is a usage error
         main(["--heldout-of", str(run), "--vllm-baselines", "float16", "--out", str(tmp_path / "e2")])
+
+
+def test_a_scheduler_named_twice_runs_once():
+    """The recipe adds --also-schedulers hardware; a user's --eval-args naming it again must not run it twice."""
+    from pipeline.config_cli import parse_config
+    from pipeline.evaluation import EvalConfig, planned_systems
+
+    cfg = parse_config(EvalConfig, ["--scheduler", "fixed", "--also-schedulers", "hardware", "--also-schedulers",
+                                    "hardware", "fixed", "--vllm-baselines", "none"])
+    names = planned_systems(cfg, [("dspark", True), ("dflash", False)])
+    assert [n for n in names if not n.startswith("baseline-")] == ["dspark", "dspark@hardware", "dflash"]

@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.prompts import read_prompt_files
 from pipeline.recipe import (BudgetSplit, decode_seconds, next_growth, parse_mix, plan_budget, round_cost,
-                             steps_that_fit, training_seconds, write_mix)
+                             probe_step_seconds, steps_that_fit, training_seconds, write_mix)
 
 
 def _prompts(path, n, bad_lines=()):
@@ -83,9 +83,19 @@ def test_budget_split_and_sizes():
     assert training_seconds(1800, elapsed=3600, total=6300, reserved_after=1800) == 900  # 1000 s over: half left
     assert training_seconds(1800, elapsed=3400, total=6300, reserved_after=1800) == 1100
     assert training_seconds(1800, elapsed=6000, total=6300, reserved_after=1800) == 900  # never below the floor
-    assert steps_that_fit(600, 2.0) == 150 and steps_that_fit(10, 2.0, minimum=10) == 10
+    assert steps_that_fit(600, [2.0, 2.0]) == 150 and steps_that_fit(10, [2.0, 2.0], minimum=10) == 10
+    assert steps_that_fit(600, [1.5, 0.5]) == 300  # equal steps, each drafter at its own step time
     with pytest.raises(ValueError, match="step time"):
-        steps_that_fit(600, 0)
+        steps_that_fit(600, [2.0, 0])
+    # the probe's step time: start-up before the first row is not a step; the interval after an evaluated row holds
+    # the evaluation, whose extra time (here 12 s) is spread over --eval-every steps
+    rows = [(5, 40.0), (10, 46.0), (15, 64.0), (20, 70.0)]
+    assert probe_step_seconds(rows, {10, 20}, eval_every=50) == pytest.approx(1.2 + 12 / 50)
+    assert probe_step_seconds(rows[:2] + [(15, 51.0), (20, 57.0)], {10, 20}, 50) == pytest.approx(1.2)  # free eval
+    with pytest.raises(ValueError, match="with and without an evaluation"):
+        probe_step_seconds(rows, set(), eval_every=50)
+    with pytest.raises(ValueError, match="step order"):
+        probe_step_seconds(rows[::-1], {10, 20}, eval_every=50)
 
 
 def test_budget_reserves_what_fixed_size_stages_need():
