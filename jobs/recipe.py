@@ -31,6 +31,8 @@ from pipeline.recipe import (BudgetSplit, decode_seconds, mix_sizes, next_growth
 from pipeline.runtime import apply_env, run_job_main
 from pipeline.shards import atomic_write_json
 
+DRAFTER_KINDS = ("dspark", "dflash")  # trained on equal data for equal steps; the probe times each of them
+
 
 @dataclass
 class RecipeConfig:
@@ -227,7 +229,7 @@ def main(argv=None):
         run = parse_config(TrainConfig, ["--data", str(hidden), *extra])  # the full runs' logging and evaluation
         probe_steps, probe_eval = 4 * run.log_every, 2 * run.log_every  # rows at 1-4 x log_every, evaluations at 2, 4
         step_s, fixed_s = {}, 0.0
-        for kind in ("dspark", "dflash"):  # each drafter's own step time: a dflash step is the cheaper one
+        for kind in DRAFTER_KINDS:  # each drafter's own step time: a dflash step is the cheaper one
             probe_dir, t_kind = out / f"train_probe_{kind}", time.time()
             train_main(["--data", str(hidden), "--out", str(probe_dir), "--drafter", kind, *extra,
                         "--max-steps", str(probe_steps), "--eval-every", str(probe_eval), "--checkpoint-every",
@@ -251,7 +253,7 @@ def main(argv=None):
     run_stage("train probe", state.get("train_steps") is not None, probe_train)
     steps = state.get("train_steps")
     drafters = {}
-    for kind in ("dspark", "dflash"):
+    for kind in DRAFTER_KINDS:
         run_dir = out / f"train_{kind}"
         drafters[kind] = run_dir / "drafter"
         resume = ["--resume"] if (run_dir / "ray").is_dir() and any((run_dir / "ray").rglob("checkpoint_*")) else []
