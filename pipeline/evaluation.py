@@ -21,7 +21,7 @@ from pipeline.dspark.calibration import calibration_report
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
-from pipeline.runtime import resolve_device, torch_threads
+from pipeline.runtime import cpu_has_native_bf16, resolve_device, torch_threads
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import SCHEDULERS, CostTable
 from pipeline.shards import atomic_write_json
@@ -68,6 +68,11 @@ class EvalConfig:
                                                                   "(acceptance always uses fp32 probabilities)",
                                                           "choices": ["bfloat16", "bfloat16:packed", "float32",
                                                                       *(f"float32:{b}" for b in LINEAR_BACKENDS)]})
+    drafter_dtype: str = field(default="auto", metadata={
+        "help": "drafter precision: auto = bfloat16 when --spec-dtype is bfloat16 and the device computes bf16 "
+                "natively (a GPU, or a CPU with avx512_bf16 / AMX: packed bf16 weights), else float32.  Only the "
+                "proposals depend on it; acceptance uses the fp32 probabilities the drafts were sampled from",
+        "choices": ["auto", "float32", "bfloat16"]})
     baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:packed", "float32:mkl",
                                                                 "bfloat16"], metadata={
         "help": "target precisions of the no-speculation baseline (the fastest is the reference); on CPU float32 "
@@ -168,6 +173,19 @@ def drafter_schedulers(cfg: EvalConfig, has_conf: bool) -> list[str]:
     return list(dict.fromkeys(scheds + [s for s in cfg.also_schedulers if has_conf]))
 
 
+def resolve_drafter_dtype(choice: str, spec_dtype: str, device: str) -> torch.dtype:
+    """--drafter-dtype -> the drafter's torch dtype ("auto": bf16 with a bf16 verification target on a device with
+    native bf16, else fp32)."""
+    if choice == "float32":
+        return torch.float32
+    if choice == "bfloat16":
+        return torch.bfloat16
+    if choice != "auto":
+        raise ValueError(f"--drafter-dtype must be auto, float32 or bfloat16, got {choice!r}")
+    native = device.startswith("cuda") or cpu_has_native_bf16()
+    return torch.bfloat16 if spec_dtype.split(":")[0] in ("bfloat16", "bf16") and native else torch.float32
+
+
 def planned_systems(cfg: EvalConfig, drafters: list[tuple[str, bool]]) -> list[str]:
     """The names of the systems `run_evaluation` will run for `drafters` ([(label, has a confidence head)]), in its
     order: this engine's baselines, vLLM's plain decoding, then each drafter under its schedulers."""
@@ -228,8 +246,9 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
     systems += [(f"vllm-{dt}", plain_decoder(target, dt, longest + cfg.max_new_tokens), 0) for dt in vllm_dtypes]
     ref_name = f"baseline-{cfg.spec_dtype}"  # lossless = same tokens as the target in the SAME precision
     scheduler_of = {}
+    drafter_dtype = resolve_drafter_dtype(cfg.drafter_dtype, cfg.spec_dtype, device)
     for label, path in drafters:
-        d = load_drafter(path, str(target), device=device)
+        d = load_drafter(path, str(target), dtype=drafter_dtype, device=device)
         for i, sch in enumerate(drafter_schedulers(cfg, bool(d.cfg.enable_confidence_head))):
             spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=sch,
                               confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
@@ -241,6 +260,7 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
             systems.append((name, eng, eng.depth_cap))
     results = {"config": json.loads(json.dumps(cfg.__dict__, default=str)),
                "target": str(target), "systems": [s[0] for s in systems], "scheduler_of": scheduler_of,
+               "drafter_dtype": str(drafter_dtype).removeprefix("torch."),
                "benchmarks": {}}
     all_records = {name: [] for name, _, _ in systems}
     mismatches = {name: 0 for name, _, _ in systems}

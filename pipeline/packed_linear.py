@@ -18,8 +18,8 @@ with F.linear to fp32 rounding (tests compare both back ends with transformers).
   (the crossover differs by shape: measured packed faster from 4 rows for the fused gate/up and the 49152x576 LM
   head (2x there), from 8 for down, about even for q/k/v and o; ``python -m jobs.bench linear``).
 * :class:`Linear` -- a drop-in ``nn.Linear`` for modules that are also trained (the drafter): with autograd on it is
-  ``nn.Linear``; under ``no_grad`` / ``inference_mode`` on CPU in fp32 it uses a packed copy, re-packed whenever the
-  weight changes (its version counter moves on every optimizer step).
+  ``nn.Linear``; under ``no_grad`` / ``inference_mode`` on CPU in fp32 (and in bf16 on a CPU with native bf16) it
+  uses a packed copy, re-packed whenever the weight changes (its version counter moves on every optimizer step).
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from pipeline.runtime import cpu_has_native_bf16
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the packed layout for; any row count works
 
@@ -138,7 +140,10 @@ def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 1
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) that runs packed at inference on CPU in fp32.
+    """``nn.Linear`` (same parameters, same state dict) that runs packed at inference on CPU in fp32, and in bf16 where
+    the CPU multiplies bf16 natively (avx512_bf16 / AMX).  Measured on a 2-core AMX Xeon, one greedy drafting round
+    of the recipe's drafter (1 layer, V_d 10,688, γ = 7) at a 300-token context: 6.55 ms fp32 packed, 5.71 ms bf16
+    with F.linear, 4.50 ms bf16 packed (interleaved, medians of 30).
 
     The packed copy is rebuilt when the weight's storage or version counter changes (load_state_dict, plain
     optimizers).  FUSED optimizers (``torch.optim.AdamW(fused=True)``, as training uses) update the weights in place
@@ -151,7 +156,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (torch.is_grad_enabled() or w.device.type != "cpu" or w.dtype != torch.float32 or x.dtype != w.dtype
+        if (torch.is_grad_enabled() or w.device.type != "cpu" or w.dtype not in _PACKED_DTYPES or x.dtype != w.dtype
                 or not _AVAILABLE):
             return F.linear(x, w, self.bias)
         key = (w.data_ptr(), w._version)
@@ -172,3 +177,5 @@ def forget_packed(module: nn.Module) -> int:
 
 
 _AVAILABLE = available()
+# bf16 is packed only where oneDNN has native bf16 kernels: emulated bf16 is slower than fp32 on an AVX2 CPU
+_PACKED_DTYPES = (torch.float32, torch.bfloat16) if cpu_has_native_bf16() else (torch.float32,)

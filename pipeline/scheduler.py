@@ -467,20 +467,32 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
     """docs/dspark.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising Θ (the
     round's tokens per second, see _SharedHardware), with the early stop (first non-improving candidate ends the
     search).  early_stop=False gives the look-ahead variant, kept only to demonstrate that it is NOT lossless.
-    refresh_every=1 turns the drafting back-off off (draft every round)."""
+    refresh_every=1 turns the drafting back-off off (draft every round).
+
+    gain_ema: the draft-or-not decision for the next rounds follows an exponential average (this weight) of the
+    drafted rounds' Θ(drafted) / Θ(plain), not the last round's alone: text alternates between spans a drafter
+    predicts and spans it does not, and one unpromising round must not stop drafting for the next ones.  Measured
+    single stream (bf16 target on a 2-core AMX Xeon, the recipe's drafter, 16 prompts x 128 tokens, interleaved):
+    gsm8k 1.46x the plain decoder with 0.1 against 1.35x with the last round alone (None); humaneval 1.10 / 1.09x,
+    mt-bench 0.99 / 1.00x."""
 
     name = "hardware"
     needs_confidence = True
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, early_stop: bool = True,
                  budget: int | None = None, refresh_every: int = 4, max_skip: int = 31,
-                 online_calibration: bool = True):
+                 online_calibration: bool = True, gain_ema: float | None = 0.1):
         self._init_shared(cost, budget, refresh_every, max_skip, online_calibration)
         self.temperatures = temperatures
         self.early_stop = early_stop
+        if gain_ema is not None and not 0 < gain_ema <= 1:
+            raise ValueError(f"gain_ema must be in (0, 1] or None, got {gain_ema}")
+        self.gain_ema = gain_ema
+        self._gain_avg = None  # EMA of last_gain over drafted rounds
 
     def reset(self):
         self._reset_shared()
+        self._gain_avg = None
 
     def schedule(self, conf_logits, max_depth):
         if conf_logits is None:
@@ -488,7 +500,12 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
         a = self._survival(conf_logits, max_depth)
         depths, _ = self._search(a, self.early_stop)
         self.last_gain = self._drafting_gain(a, depths)
-        self._idle = not any(depths) or self.last_gain <= 1.0
+        if self.gain_ema is None:
+            self._idle = not any(depths) or self.last_gain <= 1.0
+        else:
+            g = self.last_gain
+            self._gain_avg = g if self._gain_avg is None else self._gain_avg + self.gain_ema * (g - self._gain_avg)
+            self._idle = self._gain_avg <= 1.0
         return depths
 
     def draft_this_round(self, num_requests):

@@ -17,7 +17,7 @@ from jobs.bench.harness import Harness, call_order
 
 ROOT = Path(__file__).resolve().parent.parent
 PORTED = {"extract", "target", "linear", "drafter", "draft_budget", "vllm_dtype", "one_user", "load", "heldout_tau",
-          "peak_memory", "train_step", "learning_curves", "busy_loop", "domain_share"}
+          "peak_memory", "train_step", "learning_curves", "busy_loop", "domain_share", "draft_decision"}
 
 
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

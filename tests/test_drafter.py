@@ -516,6 +516,23 @@ def test_packed_linear_follows_weight_updates_and_matches_nn_linear():
         torch.testing.assert_close(lin(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+
+def test_packed_linear_bf16_only_with_native_bf16():
+    """In bf16 the drafter's Linear packs its weight where the CPU has native bf16 (avx512_bf16 / AMX) and keeps
+    F.linear where bf16 is emulated; both give F.linear's product to bf16 rounding."""
+    from pipeline import packed_linear
+    from pipeline.runtime import cpu_has_native_bf16
+
+    torch.manual_seed(0)
+    lin = packed_linear.Linear(64, 96).to(torch.bfloat16)
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+    with torch.no_grad():
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    assert (lin._packed is not None) == (cpu_has_native_bf16() and packed_linear._AVAILABLE)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
 def test_init_layers_from_target_copies_the_last_layers(tmp_path):
     """--init-layers target: drafter layer j starts as target layer L-n+j (projections, MLP, both norms) and the final
     norm as the target's; q/k norms (absent in Llama) stay at 1; the same tensors from the module and from its saved

@@ -322,3 +322,20 @@ def test_with_pipeline_drafter(target, refs):
     assert [o.output_ids for o in outs] == refs
     outs = eng.generate(PROMPTS[:2], SamplingParams(temperature=1.0, top_k=10), max_tokens=8)
     assert all(len(o.output_ids) == 8 for o in outs)
+
+
+def test_bf16_drafter_with_fp32_target_is_lossless(target, refs):
+    """A drafter in bf16 (what jobs.evaluate picks with a bf16 target on a CPU with native bf16) only changes the
+    proposals: against an fp32 target, greedy output is still exactly the target's, and sampling runs on the fp32
+    probabilities the drafts were drawn from."""
+    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, aux_layer_ids=[1, 2], mask_token_id=0,
+                                           markov_rank=8, block_size=GAMMA)
+    dr = DSparkDrafter.from_target(cfg, target).eval().to(torch.bfloat16)
+    tr = TargetRunner(target, "float32", device="cpu", max_seq_len=128)
+    eng = SpeculativeEngine(tr, dr, SpecConfig(method="dspark", scheduler="fixed"))
+    outs = eng.generate(PROMPTS, SamplingParams(), max_tokens=NTOK)
+    assert [o.output_ids for o in outs] == refs
+    assert sum(o.stats.rounds for o in outs) > 0
+    prop = dr.propose([dr.new_state()], torch.tensor([3]), SamplingParams(temperature=1.0))
+    assert prop.q.dtype == torch.float32
+    torch.testing.assert_close(prop.q.sum(-1), torch.ones(1, GAMMA))

@@ -206,3 +206,19 @@ def test_a_scheduler_named_twice_runs_once():
                                     "hardware", "fixed", "--vllm-baselines", "none"])
     names = planned_systems(cfg, [("dspark", True), ("dflash", False)])
     assert [n for n in names if not n.startswith("baseline-")] == ["dspark", "dspark@hardware", "dflash"]
+
+
+def test_drafter_dtype_follows_a_bf16_target_where_bf16_is_native(monkeypatch):
+    """--drafter-dtype auto: bf16 only with a bf16 verification target on a device with native bf16."""
+    import pipeline.evaluation as ev
+
+    monkeypatch.setattr(ev, "cpu_has_native_bf16", lambda: True)
+    assert ev.resolve_drafter_dtype("auto", "bfloat16:packed", "cpu") == torch.bfloat16
+    assert ev.resolve_drafter_dtype("auto", "float32:packed", "cpu") == torch.float32
+    assert ev.resolve_drafter_dtype("float32", "bfloat16", "cpu") == torch.float32
+    monkeypatch.setattr(ev, "cpu_has_native_bf16", lambda: False)
+    assert ev.resolve_drafter_dtype("auto", "bfloat16", "cpu") == torch.float32
+    assert ev.resolve_drafter_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
+    assert ev.resolve_drafter_dtype("bfloat16", "float32", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="--drafter-dtype"):
+        ev.resolve_drafter_dtype("fp16", "float32", "cpu")

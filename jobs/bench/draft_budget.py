@@ -16,6 +16,7 @@ import torch
 
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.evaluation import resolve_drafter_dtype
 from pipeline.runtime import torch_threads
 from pipeline.sampling import SamplingParams
 from pipeline.target_model import default_aux_layer_ids, resolve_target
@@ -35,6 +36,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--target", default=None, help="HF folder (default: the prepared SmolLM2 target)")
     ap.add_argument("--dtype", default="float32", help="target precision (float32: automatic CPU back end; "
                     "float32:hybrid, float32:packed, float32:mkl)")
+    ap.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="drafter precision (auto: bfloat16 with a bfloat16 --dtype on a CPU with native bf16, as "
+                         "jobs.evaluate --drafter-dtype auto)")
     ap.add_argument("--context", type=int, default=300, help="tokens already in both caches")
     ap.add_argument("--accepted", type=int, default=1, help="accepted drafts per round for the context update")
     ap.add_argument("--reps", type=int, default=40)
@@ -42,15 +46,16 @@ def add_arguments(ap) -> None:
 
 
 def build_drafter(args, target):
+    dtype = resolve_drafter_dtype(args.drafter_dtype, args.dtype, "cpu")
     if args.drafter:
-        return load_drafter(args.drafter, str(target))
+        return load_drafter(args.drafter, str(target), dtype=dtype)
     tw = load_target_weights(str(target))
     cfg = build_drafter_config(TrainConfig(), target, default_aux_layer_ids(tw.num_layers), args.draft_vocab)
     torch.manual_seed(0)
     m = DSparkDrafter(cfg)
     m.set_draft_vocab(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values)
     m.load_frozen(tw.embed, tw.lm_head)
-    return m
+    return m.to(dtype)
 
 
 def run(args, harness) -> dict:
@@ -67,6 +72,7 @@ def run(args, harness) -> dict:
     with torch.inference_mode():
         aux = runner.forward([slot], [ctx], logits_last=1, aux_layer_ids=layer_ids).aux_hidden
         state = drafter.new_state(capacity=args.context + 64)
+        aux = aux.to(drafter.fc.weight.dtype)
         drafter.extend_context(state, aux)
     anchor = drafter.draft_ids[:1]
     n_new = args.accepted + 1
@@ -101,7 +107,7 @@ def run(args, harness) -> dict:
     c = drafter.cfg
     print(f"target {target.name} ({args.dtype}), context {args.context}, {args.threads} threads; drafter "
           f"{'random' if not args.drafter else args.drafter}: {c.kind}, {c.num_hidden_layers} layers, "
-          f"V_d {c.draft_vocab_size}, block {c.block_size}; {args.reps} interleaved repetitions")
+          f"V_d {c.draft_vocab_size}, block {c.block_size}, {str(drafter.fc.weight.dtype)[6:]}; {args.reps} interleaved repetitions")
     for k in cases:
         print(f"  {k:15s} median {med[k]:7.2f} ms  (min {spread[k][0]:.2f}, max {spread[k][1]:.2f})")
     round_share = med["propose"] / med["target step"]
