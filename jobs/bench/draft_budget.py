@@ -107,7 +107,8 @@ def run(args, harness) -> dict:
     c = drafter.cfg
     print(f"target {target.name} ({args.dtype}), context {args.context}, {args.threads} threads; drafter "
           f"{'random' if not args.drafter else args.drafter}: {c.kind}, {c.num_hidden_layers} layers, "
-          f"V_d {c.draft_vocab_size}, block {c.block_size}, {str(drafter.fc.weight.dtype)[6:]}; {args.reps} interleaved repetitions")
+          f"V_d {c.draft_vocab_size}, block {c.block_size}, {str(drafter.fc.weight.dtype)[6:]}; {args.reps} "
+          "interleaved repetitions")
     for k in cases:
         print(f"  {k:15s} median {med[k]:7.2f} ms  (min {spread[k][0]:.2f}, max {spread[k][1]:.2f})")
     round_share = med["propose"] / med["target step"]
