@@ -382,6 +382,23 @@ def test_one_unpromising_round_does_not_stop_drafting():
         HardwareAwarePrefix(ct, gain_ema=0.0)
 
 
+def test_averaged_gain_is_kept_per_load():
+    """The averaged gain is kept per batch size class: rounds at one user that pay do not keep a 16-request batch,
+    where drafting does not pay, drafting for the next rounds (at 16 users the first unpromising rounds back off)."""
+    ct = CostTable({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 2.0, 32: 4.0, 64: 8.0, 128: 16.0})
+    s = HardwareAwarePrefix(ct)
+    good = Z([[0.9] * 7])
+    for _ in range(20):  # one user: drafting pays
+        s.schedule(good, [7])
+        s.observe_round(1, draft_s=0.05, target_tokens=8, target_s=1.2, round_s=1.3)
+    assert s.last_gain > 1 and s.draft_this_round(1)
+    low = Z([[0.05] * 7] * 16)  # 16 users whose drafts rarely survive: verifying costs more than it brings
+    s.schedule(low, [7] * 16)
+    assert s.last_gain < 1
+    assert not s.draft_this_round(16)  # the one-user average does not vouch for 16 users
+    assert s.draft_this_round(1)  # and 16 users' verdict does not stop drafting at one user
+
+
 def test_live_round_cost():
     ct = CostTable({1: 0.1, 8: 0.2})
     lv = LiveRoundCost(alpha=0.5)
