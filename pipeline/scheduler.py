@@ -182,6 +182,11 @@ def admitted_survival(a: torch.Tensor, depths: Sequence[int]) -> float:
     return float(torch.where(keep, a.double(), torch.zeros_like(a, dtype=torch.float64)).sum())
 
 
+def ema(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average; the first value (old None) starts it."""
+    return new if old is None else old + weight * (new - old)
+
+
 def gain_bucket(R: int) -> int:
     """The realized gain is kept per batch size class: 1, 2, 3, then the power of two nearest R (4: 4-5, 8: 6-11,
     16: 12-22, ...), so a batch that moves by a request or two as streams come and go keeps its verdict."""
@@ -226,7 +231,7 @@ class LiveRoundCost:
         self._verifying: dict = {}
 
     def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
+        return ema(old, new, self.alpha)
 
     def observe(self, cost: CostTable, num_drafted: int, draft_s: float, target_tokens: int, target_s: float,
                 round_s: float, verified: int = 0, accepted: int = 0) -> None:
@@ -505,8 +510,7 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
             self._idle = not any(depths) or g <= 1.0
         else:
             b = gain_bucket(a.shape[0])
-            old = self._gain_avg.get(b)
-            self._gain_avg[b] = g if old is None else old + self.gain_ema * (g - old)
+            self._gain_avg[b] = ema(self._gain_avg.get(b), g, self.gain_ema)
         return depths
 
     def _idle_at(self, num_requests: int) -> bool:
