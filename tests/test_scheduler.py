@@ -513,3 +513,41 @@ def test_realized_gain_stops_drafting_the_model_thought_paid():
     s.observe_acceptance([0] * 16, [0] * 16)
     s.observe_round(16, 0.3, 16, 1.0, 1.3)
     assert s.live.to_dict()["realized_gain"]["16"][0] == 39
+
+
+def test_realized_gain_keeps_drafting_the_model_thought_lost():
+    """The mirror case: the model (confidences 0.5, online calibration off) says a drafted round of 16 requests
+    loses to a plain one, so the scheduler backs off and drafts only in probe rounds; those rounds, as measured,
+    accept 2 tokens per request and give 1.25x a plain round's tokens/s.  From the 8th such round the measurement
+    wins and every round drafts; a measured gain inside the margins (1.05x) leaves the model's verdict standing."""
+    ct = CostTable({16: 1.0, 32: 1.1, 64: 1.3})
+    unsure = Z([[0.5] * 3] * 16)
+
+    def run(round_s, rounds=400):
+        s = HardwareAwarePrefix(ct, refresh_every=3, online_calibration=False)
+        for _ in range(4):  # plain rounds: 16 tokens in 1.0 s
+            s.observe_round(0, 0.0, 16, 1.0, 1.0)
+        drafted, gains = [], []
+        for _ in range(rounds):
+            if not s.draft_this_round(16):
+                s.observe_round(0, 0.0, 16, 1.0, 1.0)
+                drafted.append(False)
+                continue
+            depths = s.schedule(unsure, [3] * 16)
+            assert sum(depths) > 0
+            gains.append(s.last_gain)
+            s.observe_acceptance(depths, [min(2, d) for d in depths])
+            B = 16 + sum(depths)
+            s.observe_round(16, 1.2, B, ct.step_time(B), round_s(sum(min(2, d) for d in depths)))
+            drafted.append(True)
+        assert max(gains[1:]) < 1  # once the drafting cost is measured, the model says a drafted round loses
+        return s, drafted
+
+    won, drafted = run(lambda acc: (16 + acc) / 20.0)  # 20 tok/s against 16: 1.25x
+    assert won.live.realized_gain(16) == pytest.approx(1.25) and won.live.drafting_won(16)
+    first = [i for i, d in enumerate(drafted) if d]
+    assert len(first) >= 8 and all(drafted[first[7] + 1:])  # idle with probes, then every round
+    assert not won.live.drafting_won(4)  # no verdict for other loads
+    even, drafted = run(lambda acc: (16 + acc) / 16.8)  # 1.05x: inside the margins, the model decides
+    assert not even.live.drafting_won(16) and not even.live.drafting_lost(16)
+    assert sum(drafted) < 0.1 * len(drafted)  # mostly probes
