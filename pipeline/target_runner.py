@@ -8,6 +8,9 @@ slot-based KV cache:
   ``[N, d]`` tokens; only attention is padded to ``[R, T_max]`` queries x ``[R, K_max]`` keys with an exact mask
   (causal by absolute position, sliding window where the checkpoint has one);
 * KV rollback to the accepted prefix is ``truncate(slot, new_len)`` (O(1): stale entries are masked and overwritten);
+* a bf16 runner on CPU keeps its KV cache (and attends) in fp32 where that is faster on the machine
+  (``fp32_attention_wins``, measured once per process): PyTorch's CPU flash attention is several times slower in
+  bf16 than in fp32 on a CPU without AMX;
 * a forward is planned on the host as one ``RaggedBatch`` (token ids, positions, slots, offsets); with a
   ``static_forward`` attached (pipeline/cuda_graphs.py) the batches that fit its buckets run padded to fixed shapes,
   on a GPU as replayed CUDA graphs over the same preallocated cache;
@@ -22,6 +25,7 @@ embedding output, id L (= num layers) the last layer's output BEFORE the final n
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +164,46 @@ class RaggedBatch:
         return self.max_new * self.num_requests != self.num_tokens
 
 
+_FP32_ATTENTION_WINS: dict = {}
+
+
+def fp32_attention_wins(num_heads: int, num_kv_heads: int, head_dim: int, reps: int = 7) -> bool:
+    """Whether attention over an fp32 KV cache beats a bf16 one on this CPU, for a bf16 runner (q cast up, the
+    output cast back down): measured once per process and head layout, interleaved, medians, on three shapes a
+    decoding engine runs (1 request x 1 token, 8 requests x 1 token, 1 request x 8 tokens; 256 keys).  On a 2-core
+    EPYC with avx512_bf16 PyTorch's CPU flash attention took 263 us in bf16 against 78 us in fp32 for one token over
+    300 keys (SmolLM2-135M's 9 / 3 heads x 64), 2.6 ms against 0.45 ms for 16 requests: ~5 ms of a ~30 ms decode
+    step.  The fp32 cache holds the same bf16-rounded keys and values; only the attention's arithmetic is wider."""
+    key = (num_heads, num_kv_heads, head_dim)
+    if key not in _FP32_ATTENTION_WINS:
+        g = torch.Generator().manual_seed(0)
+        cases = []
+        for R, T, K in ((1, 1, 256), (8, 1, 256), (1, 8, 256)):
+            q = torch.randn(R, num_heads, T, head_dim, generator=g).bfloat16()
+            k = torch.randn(R, num_kv_heads, K, head_dim, generator=g).bfloat16()
+            v = torch.randn(R, num_kv_heads, K, head_dim, generator=g).bfloat16()
+            mask = None if R == T == 1 else torch.ones(R, 1, T, K, dtype=torch.bool).tril(K - T)
+            cases.append((q, k, v, k.float(), v.float(), mask))
+        gqa = num_heads != num_kv_heads
+
+        def run(fp32: bool):
+            for q, k, v, k32, v32, mask in cases:
+                if fp32:
+                    F.scaled_dot_product_attention(q.float(), k32, v32, attn_mask=mask, enable_gqa=gqa).bfloat16()
+                else:
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+        times = {False: [], True: []}
+        for i in range(reps + 1):
+            for fp32 in ((False, True) if i % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                run(fp32)
+                if i:
+                    times[fp32].append(time.perf_counter() - t0)
+        _FP32_ATTENTION_WINS[key] = statistics.median(times[True]) < statistics.median(times[False])
+    return _FP32_ATTENTION_WINS[key]
+
+
 def attention_mask(kidx: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
     """kidx [K] key positions, qpos [..., T] absolute query positions -> bool [..., T, K]: key j is visible to a query
     at position p iff j <= p (and j > p - window with a sliding window)."""
@@ -180,13 +224,15 @@ class TargetRunner:
 
     def __init__(self, hf_model, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
-                 init_len: int = 256, huge_page_arena: bool = False):
+                 init_len: int = 256, huge_page_arena: bool = False, attention_dtype: str | torch.dtype | None = None):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype; its suffix
         picks the CPU linear back end of fp32 weights (pipeline/packed_linear.py; "bfloat16:packed" packs bf16 weights
         too, on a CPU with native bf16), without one on CPU with oneDNN "hybrid" where MKL's F.linear beats the
         packed layout at 1 row and "packed" where it does not (measured once per process), else F.linear.
         huge_page_arena (CPU, opt-in until it is shown to pay): the plain linear weights live in one block backed by
-        transparent huge pages (pipeline/hugepages.py)."""
+        transparent huge pages (pipeline/hugepages.py).
+        attention_dtype: the KV cache's dtype, in which attention runs (None: ``fp32_attention_wins`` decides for a
+        bf16 runner on CPU, else the compute dtype)."""
         self.dtype, backend = parse_precision(dtype)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -306,7 +352,11 @@ class TargetRunner:
         self._rope_len = 0
         self._scale = hd ** -0.5
 
-        # KV cache: [layers, slots, max_len, kv_heads, head_dim]
+        # KV cache: [layers, slots, max_len, kv_heads, head_dim], in the attention dtype
+        if attention_dtype is None:
+            attention_dtype = torch.float32 if (self.device.type == "cpu" and dt == torch.bfloat16 and
+                                                fp32_attention_wins(H, KVH, hd)) else dt
+        self.cache_dtype = as_dtype(attention_dtype)
         self._n_slots = 0
         self._cap = 0
         self.k_cache = self.v_cache = None
@@ -371,8 +421,8 @@ class TargetRunner:
             new_cap = min(self.max_seq_len, max(length, 2 * self._cap))
         c = self.config
         shape = (c.num_layers, new_slots, new_cap, c.num_kv_heads, c.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
         if self.k_cache is not None:
             k[:, :self._n_slots, :self._cap] = self.k_cache
             v[:, :self._n_slots, :self._cap] = self.v_cache
@@ -552,11 +602,13 @@ class TargetRunner:
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         x, cos, sin, aux_out = self._embed_tokens(ids_t, pos_t, cos_t, sin_t, aux_ids)
         gqa = H != KVH
+        adt = self.cache_dtype  # attention runs in the cache's dtype (fp32 on a CPU where bf16 attention is slow)
         for li, ly in enumerate(self.layers):
             q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2
+            q = q.to(adt)
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[slot_t, pos_t] = k
-            vc[slot_t, pos_t] = v
+            kc[slot_t, pos_t] = k.to(adt)
+            vc[slot_t, pos_t] = v.to(adt)
             if per_request:
                 outs = []
                 for r in range(R):
@@ -585,7 +637,7 @@ class TargetRunner:
                 att = att.transpose(1, 2).reshape(R * Tmax, H * hd)
                 if ragged:
                     att = att[pad_t]
-            x = self._mlp_block(ly, x, att)
+            x = self._mlp_block(ly, x, att.to(x.dtype))
             if (li + 1) in aux_ids:
                 aux_out[li + 1] = x
 

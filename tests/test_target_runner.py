@@ -93,6 +93,38 @@ def test_parity_bf16():
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("layout", ["padded", "per_request"])
+def test_bf16_runner_attention_dtype(layout):
+    """A bf16 runner attends over an fp32 KV cache (the bf16-rounded keys and values, wider arithmetic) or a bf16 one:
+    both agree with transformers' bf16 forward, in a ragged batch of three requests too; an fp32 runner's cache is
+    fp32 and the automatic choice for bf16 is one of the two."""
+    from pipeline.target_runner import fp32_attention_wins
+
+    m = _model("llama", torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, CFG["vocab_size"], (n,), generator=g) for n in (9, 13, 6)]
+    with torch.no_grad():
+        refs = [m(s[None]).logits[0].float() for s in seqs]
+    auto = TargetRunner(m, "bfloat16", device="cpu")
+    assert auto.cache_dtype == (torch.float32 if fp32_attention_wins(CFG["num_attention_heads"],
+                                                                     CFG["num_key_value_heads"], auto.config.head_dim)
+                                else torch.bfloat16)
+    assert TargetRunner(m.float(), "float32", device="cpu").cache_dtype == torch.float32
+    m = _model("llama", torch.bfloat16)
+    for adt in (torch.float32, torch.bfloat16):
+        r = TargetRunner(m, "bfloat16", device="cpu", attention_dtype=adt)
+        if layout == "per_request":
+            r.max_padded_scores = 0
+        assert r.k_cache.dtype == adt
+        slots = [r.alloc() for _ in seqs]
+        first = r.forward(slots, [s[:4] for s in seqs], logits_last=[4, 4, 4])  # prefill 4 tokens each
+        rest = r.forward(slots, [s[4:] for s in seqs], logits_last=[len(s) - 4 for s in seqs])  # ragged: 5 / 9 / 2
+        for i, ref in enumerate(refs):
+            got = torch.cat([first.logits_of(i), rest.logits_of(i)])
+            assert (got - ref).abs().max() < 0.05 * ref.abs().max(), (adt, i)
+            assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8, (adt, i)  # bf16 near-ties
+
+
 def test_bf16_packed_weights():
     """"bfloat16:packed" packs the bf16 layer weights for oneDNN on a CPU with native bf16 (same products as F.linear
     up to the summation order: the logits agree with the F.linear runner's) and is refused by name without it."""
