@@ -602,13 +602,11 @@ class TargetRunner:
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         x, cos, sin, aux_out = self._embed_tokens(ids_t, pos_t, cos_t, sin_t, aux_ids)
         gqa = H != KVH
-        adt = self.cache_dtype  # attention runs in the cache's dtype (fp32 on a CPU where bf16 attention is slow)
         for li, ly in enumerate(self.layers):
-            q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2
-            q = q.to(adt)
+            q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2, in the cache dtype
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[slot_t, pos_t] = k.to(adt)
-            vc[slot_t, pos_t] = v.to(adt)
+            kc[slot_t, pos_t] = k
+            vc[slot_t, pos_t] = v
             if per_request:
                 outs = []
                 for r in range(R):
@@ -637,7 +635,7 @@ class TargetRunner:
                 att = att.transpose(1, 2).reshape(R * Tmax, H * hd)
                 if ragged:
                     att = att[pad_t]
-            x = self._mlp_block(ly, x, att.to(x.dtype))
+            x = self._mlp_block(ly, x, att)
             if (li + 1) in aux_ids:
                 aux_out[li + 1] = x
 
@@ -662,7 +660,8 @@ class TargetRunner:
         return x, cos_t[pos].unsqueeze(1), sin_t[pos].unsqueeze(1), ({0: x} if 0 in aux_ids else {})
 
     def _qkv(self, ly: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [N, d] -> q [N, H, hd], k / v [N, KVH, hd] (q/k normed where the model has it, RoPE applied)."""
+        """x [N, d] -> q [N, H, hd], k / v [N, KVH, hd] (q/k normed where the model has it, RoPE applied), in the
+        KV cache's dtype: attention runs in it (fp32 for a bf16 runner on a CPU where bf16 attention is slow)."""
         c = self.config
         H, KVH, hd, N = c.num_heads, c.num_kv_heads, c.head_dim, x.shape[0]
         h = rms_norm(x, ly.ln1, c.rms_norm_eps)
@@ -673,11 +672,13 @@ class TargetRunner:
         if ly.q_norm is not None:
             q = rms_norm(q, ly.q_norm, c.rms_norm_eps)
             k = rms_norm(k, ly.k_norm, c.rms_norm_eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        adt = self.cache_dtype
+        return apply_rope(q, cos, sin).to(adt), apply_rope(k, cos, sin).to(adt), v.to(adt)
 
     def _mlp_block(self, ly: _Layer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-        """Residual stream after the attention output ``att`` [N, H*hd] and the SwiGLU MLP: [N, d]."""
-        x = x + ly.o(att)
+        """Residual stream after the attention output ``att`` [N, H*hd] (in the cache dtype) and the SwiGLU MLP:
+        [N, d]."""
+        x = x + ly.o(att.to(x.dtype))
         h = rms_norm(x, ly.ln2, self.config.rms_norm_eps)
         gu = ly.gate_up(h)
         I = gu.shape[-1] // 2

@@ -134,3 +134,23 @@ def test_padded_engine_equals_ragged_engine():
     with pytest.raises(ValueError, match="CUDA target"):
         SpeculativeEngine(TargetRunner(target, "float32", device="cpu"), eng.drafter,
                           SpecConfig(method="dspark", cuda_graphs=True))
+
+
+def test_padded_forward_with_an_fp32_cache_in_a_bf16_runner():
+    """The fixed-shape forward shares the eager one's layer pieces, so a bf16 runner whose KV cache is fp32 (where
+    attention is faster in fp32) runs padded too, with the eager forward's logits."""
+    m = _model("llama").to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    ctx = [torch.randint(0, CFG["vocab_size"], (n,), generator=g) for n in (5, 7, 3)]
+    new = [torch.randint(0, CFG["vocab_size"], (n,), generator=g) for n in (4, 1, 5)]
+    outs = []
+    for padded in (False, True):
+        r = TargetRunner(m, "bfloat16", device="cpu", attention_dtype=torch.float32)
+        slots = [r.alloc() for _ in ctx]
+        r.forward(slots, ctx, logits_last=1)
+        if padded:
+            r.static_forward = StaticTargetForward(r, SHAPES, capture=False)
+        outs.append(r.forward(slots, new).logits)
+        if padded:
+            assert r.static_forward.runs == 1 and r.k_cache.dtype == torch.float32
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-2, rtol=1e-2)

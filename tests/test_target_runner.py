@@ -109,8 +109,7 @@ def test_bf16_runner_attention_dtype(layout):
     assert auto.cache_dtype == (torch.float32 if fp32_attention_wins(CFG["num_attention_heads"],
                                                                      CFG["num_key_value_heads"], auto.config.head_dim)
                                 else torch.bfloat16)
-    assert TargetRunner(m.float(), "float32", device="cpu").cache_dtype == torch.float32
-    m = _model("llama", torch.bfloat16)
+    assert TargetRunner(_model("llama"), "float32", device="cpu").cache_dtype == torch.float32
     for adt in (torch.float32, torch.bfloat16):
         r = TargetRunner(m, "bfloat16", device="cpu", attention_dtype=adt)
         if layout == "per_request":
