@@ -147,7 +147,8 @@ class OpenAIIngress:
             self.metrics.request(endpoint, e.status)
             return e.response()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        req = {"request_id": rid, "prompt_ids": prompt_ids, "max_tokens": mt, **body.engine_sampling()}
+        req = {"request_id": rid, "prompt_ids": prompt_ids, "max_tokens": mt, "stream": bool(body.stream),
+               **body.engine_sampling()}
         if body.stream:
             self.metrics.request(endpoint, 200)
             return StreamingResponse(self._stream(rid, req, body, chat), media_type="text/event-stream",

@@ -78,6 +78,10 @@ class ServeConfig:
     max_queue: int = field(default=64, metadata={"help": "requests waiting per replica beyond max_batch before the "
                                                           "router holds them back"})
     max_model_len: int = field(default=2048, metadata={"help": "context length (prompt + completion)"})
+    stream_interval: int = field(default=1, metadata={
+        "help": "tokens per streamed event after a request's first token (1: every token as soon as it exists); "
+                "larger values send fewer, larger SSE chunks, which leaves the engine more CPU under load (like "
+                "vLLM's --stream-interval)"})
     default_max_tokens: int = field(default=256, metadata={"help": "chat completion length when max_tokens is "
                                                                     "not given"})
     threads: int | None = field(default=None, metadata={"help": "torch threads per replica (default: cores / "
@@ -129,6 +133,8 @@ class ServeConfig:
             raise ValueError(f"engine must be one of {ENGINES}")
         if self.gamma is not None and self.gamma < 1:
             raise ValueError("gamma must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         if self.replica_cpus < 0:
@@ -201,7 +207,8 @@ class ServeConfig:
             max_model_len=self.max_model_len, threads=self.threads_per_replica(), seed=self.seed,
             cost_table=self.cost_table, profile_batch_sizes=list(self.profile_batch_sizes),
             shared_hardware=self.shared_hardware, token_budget=self.token_budget,
-            draft_sample_method=self.draft_sample_method, model_name=self.served_model_name(target))
+            draft_sample_method=self.draft_sample_method, model_name=self.served_model_name(target),
+            stream_interval=self.stream_interval)
         return dataclasses.asdict(opts)
 
     def to_dict(self) -> dict:
@@ -351,7 +358,7 @@ def vllm_replica_options(cfg: ServeConfig, target: str | None = None) -> dict:
     target = target or cfg.resolved_target()
     return {"engine_kwargs": vllm_engine_config(cfg, target), "engine_env": vllm_engine_environment(cfg),
             "model_name": cfg.served_model_name(target), "max_batch": cfg.max_batch,
-            "scheduler": cfg.scheduler if cfg.speculative() else "none"}
+            "scheduler": cfg.scheduler if cfg.speculative() else "none", "stream_interval": cfg.stream_interval}
 
 
 def serve_plan(cfg: ServeConfig) -> dict:

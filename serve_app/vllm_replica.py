@@ -53,6 +53,7 @@ class VLLMReplicaOptions:
     model_name: str = "model"
     max_batch: int = 8  # = engine_kwargs["max_num_seqs"]
     scheduler: str = "hardware"
+    stream_interval: int = 1  # tokens per streamed event after the first (as serve_app/replica.py)
 
     @property
     def gamma(self) -> int:
@@ -138,14 +139,23 @@ class VLLMEngineReplica:
             return
         prompt_ids = list(request["prompt_ids"])
         self._active += 1
-        n_out, finished = 0, False
+        n_out, finished, events = 0, False, 0
+        interval = self.opts.stream_interval if request.get("stream", True) else 1 << 30
+        unsent, unsent_text = [], []  # coalesced into the next event (the first and the last always go)
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
                 c = out.outputs[0]
                 ids = list(c.token_ids)
                 n_out += len(ids)
                 self._account(len(ids))
-                ev = {"replica": self.replica_id, "token_ids": ids, "text": c.text or "", "finished": out.finished}
+                unsent.extend(ids)
+                unsent_text.append(c.text or "")
+                if not out.finished and (events and len(unsent) < interval or not unsent):
+                    continue
+                ev = {"replica": self.replica_id, "token_ids": unsent, "text": "".join(unsent_text),
+                      "finished": out.finished}
+                unsent, unsent_text = [], []
+                events += 1
                 if out.finished:
                     finished = True
                     stats = spec_stats(getattr(c, "spec_decode_metrics", None), n_out)

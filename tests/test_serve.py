@@ -465,3 +465,34 @@ def test_jobs_serve_help():
     assert r.returncode == 0, r.stderr
     for flag in ("--drafter", "--replicas", "--port", "--scheduler", "--gamma", "--engine", "ray job submit"):
         assert flag in r.stdout, flag
+
+
+def test_stream_interval_coalesces_events(target_dir, reference):
+    """The replica sends the first token at once, then one event per ``stream_interval`` tokens, and the rest with
+    the last event; a non-streaming request gets the first and the last event only.  Tokens and text are the same
+    in every mode (the target's greedy continuation)."""
+    import asyncio
+
+    from serve_app.replica import EngineReplica
+
+    prompt = reference.chat_ids("Count from one to twenty.")
+    want = reference.greedy(prompt, 12)
+
+    async def run(interval: int, stream: bool):
+        rep = EngineReplica({"target": str(target_dir), "scheduler": "none", "max_batch": 2, "threads": 1,
+                             "stream_interval": interval})
+        evs = [ev async for ev in rep.generate({"prompt_ids": prompt, "max_tokens": 12, "temperature": 0.0,
+                                                "stream": stream})]
+        rep.__del__()
+        return evs
+
+    for interval, stream, n_events in ((1, True, len(want)), (4, True, 1 + -(-(len(want) - 1) // 4)),
+                                       (4, False, 2)):
+        evs = asyncio.run(run(interval, stream))
+        assert [t for ev in evs for t in ev["token_ids"]] == want, (interval, stream)
+        assert len(evs) == n_events, (interval, stream, [len(ev["token_ids"]) for ev in evs])
+        assert len(evs[0]["token_ids"]) == 1 and evs[-1]["finished"] and evs[-1]["completion_tokens"] == len(want)
+        assert "".join(ev["text"] for ev in evs) == reference.tok.decode(want, skip_special_tokens=True)
+    from serve_app.replica import ReplicaOptions
+    with pytest.raises(ValueError, match="stream_interval"):
+        ReplicaOptions(target=str(target_dir), stream_interval=0)

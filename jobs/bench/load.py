@@ -67,6 +67,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed event after the first, for every system alike (jobs.serve "
+                        "--stream-interval)")
     p.add_argument("--port", type=int, default=8790)
     p.add_argument("--reps", type=int, default=1, help="interleaved repetitions of every (level, system)")
     p.add_argument("--time-budget", type=float, default=900.0, help="seconds for the whole run")
@@ -327,7 +330,8 @@ def run(args, harness) -> dict:
     try:
         for label, fields in deployments.items():  # side by side: one application per system
             cfg = ServeConfig(target=target, replicas=args.replicas, port=args.port, gamma=args.gamma,
-                              max_batch=args.max_batch, threads=args.threads, model_name="m", **fields)
+                              max_batch=args.max_batch, threads=args.threads, model_name="m",
+                              stream_interval=args.stream_interval, **fields)
             t0 = time.time()
             serve.run(build_app(cfg), name=label, route_prefix=f"/{label}", blocking=False)
             asyncio.run(run_level(f"{base}/{label}/v1", "m", 1, 1, args, deadline))  # warm-up
