@@ -5,10 +5,8 @@ Continuous batching
   * ``generate(request)`` is a streaming (async generator) method.  It queues the request and yields events
     ``{"token_ids", "text", "finished", "finish_reason", "replica", ...}``: the first as soon as the request has a
     token, then one whenever ``stream_interval`` more tokens are ready (1: every engine round that gave it tokens),
-    and the last, which carries the rest of the tokens and the request's speculative stats.  A request with
-    ``"stream": False`` gets only the first and the last event.  Each event crosses three processes (replica ->
-    ingress -> proxy) on the same cores as the engine, so fewer, larger events leave the engine more CPU (vLLM's
-    ``--stream-interval`` is the same trade of streaming granularity for throughput).
+    and the last, which carries the rest of the tokens and the request's speculative stats; a request with
+    ``"stream": False`` gets only the first and the last event (serve_app/events.py).
   * ONE background asyncio task owns the engine.  Between rounds it applies aborts, admits queued requests up to
     ``max_batch`` (the rest wait, FIFO), refreshes the load shift, then runs ``engine.step()`` in a single-thread
     executor so the replica's event loop stays responsive (new requests, routing-stats calls, cancellations) while the
@@ -77,6 +75,7 @@ from pipeline.runtime import apply_env, work_dir
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix
 from pipeline.target_runner import TargetRunner
+from serve_app.events import EventCoalescer
 
 logger = logging.getLogger("ray.serve")
 
@@ -226,11 +225,9 @@ class _Live:
     rid: str
     queue: asyncio.Queue
     args: dict
+    coalescer: EventCoalescer  # which engine outputs become events
     hold: int = 0  # characters held back for stop strings
     sent_chars: int = 0
-    interval: int = 1  # tokens per event after the first (a huge number: first and last event only)
-    unsent: list = field(default_factory=list)  # token ids not yet in an event
-    events: int = 0  # events sent
     admitted: bool = False
     finished: bool = False
     routing: list | None = None  # the router's ranking when it placed this request
@@ -329,9 +326,9 @@ class EngineReplica:
             rid = f"{rid}-{uuid.uuid4().hex[:4]}"
         stop = request.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
-        interval = self.opts.stream_interval if request.get("stream", True) else 1 << 30
         live = _Live(rid, asyncio.Queue(), dict(request, stop=stop), hold=max((len(s) for s in stop), default=1) - 1,
-                     interval=interval, routing=(_route or {}).get("ranking"))
+                     coalescer=EventCoalescer(self.opts.stream_interval, request),
+                     routing=(_route or {}).get("ranking"))
         self._live[rid] = live
         self._pending.append(live)
         self._totals["requests"] += 1
@@ -524,12 +521,10 @@ class EngineReplica:
             if not o.finished:
                 self._aborts.add(o.request_id)
             return
-        lv.unsent.extend(o.new_ids)
-        if not o.finished and (lv.events and len(lv.unsent) < lv.interval or not lv.unsent):
+        ids = lv.coalescer.add(o.new_ids, o.finished)
+        if ids is None:
             return  # coalesced into a later event
-        ev = {"replica": self.replica_id, "token_ids": lv.unsent, "finished": o.finished}
-        lv.unsent = []
-        lv.events += 1
+        ev = {"replica": self.replica_id, "token_ids": ids, "finished": o.finished}
         if o.finished:
             text = o.text or ""
             ev["text"] = text[lv.sent_chars:]

@@ -4,8 +4,9 @@ replica (serve_app/replica.py), so the load-aware router (serve_app/router.py) a
 (serve_app/api.py) serve it unchanged.
 
 Interface (the same events as EngineReplica)
-  * ``generate(request, _route)``: streaming; one event per engine output that carried tokens,
-    ``{"replica", "token_ids", "text", "finished"}``; the last one adds finish_reason, prompt/completion token counts
+  * ``generate(request, _route)``: streaming; events ``{"replica", "token_ids", "text", "finished"}`` as
+    serve_app/events.py coalesces vLLM's outputs (the first token at once, then every ``stream_interval`` tokens);
+    the last one adds finish_reason, prompt/completion token counts
     and ``stats`` (vLLM's per-request speculative counters, ``per_request_spec_decode_metrics="summary"``:
     verify steps, proposed and accepted draft tokens, acceptance length including the bonus token).
     Continuous batching, the waiting queue, aborts (a cancelled stream aborts its vLLM request) and stop strings
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from ray import serve
 
 from pipeline.runtime import apply_env
+from serve_app.events import EventCoalescer
 
 logger = logging.getLogger("ray.serve")
 
@@ -139,23 +141,22 @@ class VLLMEngineReplica:
             return
         prompt_ids = list(request["prompt_ids"])
         self._active += 1
-        n_out, finished, events = 0, False, 0
-        interval = self.opts.stream_interval if request.get("stream", True) else 1 << 30
-        unsent, unsent_text = [], []  # coalesced into the next event (the first and the last always go)
+        n_out, finished = 0, False
+        coalescer = EventCoalescer(self.opts.stream_interval, request)
+        unsent_text = []  # the text of the outputs the coalescer holds back
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, params, rid):
                 c = out.outputs[0]
                 ids = list(c.token_ids)
                 n_out += len(ids)
                 self._account(len(ids))
-                unsent.extend(ids)
                 unsent_text.append(c.text or "")
-                if not out.finished and (events and len(unsent) < interval or not unsent):
+                ids = coalescer.add(ids, out.finished)
+                if ids is None:
                     continue
-                ev = {"replica": self.replica_id, "token_ids": unsent, "text": "".join(unsent_text),
+                ev = {"replica": self.replica_id, "token_ids": ids, "text": "".join(unsent_text),
                       "finished": out.finished}
-                unsent, unsent_text = [], []
-                events += 1
+                unsent_text = []
                 if out.finished:
                     finished = True
                     stats = spec_stats(getattr(c, "spec_decode_metrics", None), n_out)
