@@ -17,7 +17,8 @@ from jobs.bench.harness import Harness, call_order
 
 ROOT = Path(__file__).resolve().parent.parent
 PORTED = {"extract", "target", "linear", "drafter", "draft_budget", "vllm_dtype", "one_user", "load", "heldout_tau",
-          "peak_memory", "train_step", "learning_curves", "busy_loop", "domain_share", "draft_decision"}
+          "peak_memory", "train_step", "learning_curves", "busy_loop", "domain_share", "draft_decision",
+          "depth_cost"}
 
 
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -154,7 +155,39 @@ def test_load_benchmark_includes_vllm_plain_decoding(tmp_path):
             assert res[label][c]["fastest_no_spec"] == fastest
         assert res[fastest][c]["vs_fastest_no_spec"] == pytest.approx(1.0)
         assert all(res[s][c]["vs_fastest_no_spec"] <= 1.0 + 1e-9 for s in ("no-spec", "vllm-bfloat16"))
+    for label, levels in res.items():  # where the time goes: the native engine's rounds, CPU by process role
+        for lv in levels:
+            if label == "vllm-bfloat16":
+                assert lv["engine_ms_per_round"] is None
+            else:
+                assert lv["engine_ms_per_round"] > 0 and 0 < lv["engine_busy"] <= 1.05, (label, lv)
+            assert lv["cpu_s_per_1k_tokens"]["engine"] > 0 and lv["cpu_s_per_1k_tokens"]["client"] > 0, (label, lv)
+    assert "where the time goes" in p.stdout
     assert (tmp_path / "load_test.png").is_file()
+
+
+def test_depth_cost_reports_round_costs_and_break_even_tau(tmp_path):
+    """Plain decoding vs fixed depth 1 and 2 with a random drafter at batch 1 and 2: every request gets its
+    --max-tokens (EOS ignored), the plain system's tau and break-even tau are 1, a random drafter's tau is ~1, and a
+    depth's break-even tau is its round time over the plain round time."""
+    p = bench("depth_cost", "--draft-vocab", "512", "--batch", "1", "2", "--depths", "1", "2", "--max-tokens", "6",
+              "--passes", "1", "--out", str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    batches = doc["results"]["batches"]
+    assert set(batches) == {"1", "2"}
+    for n, per in batches.items():
+        assert set(per) == {"plain", "depth 1", "depth 2"}
+        assert per["plain"]["tau"] == 1.0 and per["plain"]["break_even_tau"] == pytest.approx(1.0)
+        for name, r in per.items():
+            assert r["tok_s"] > 0 and r["rounds"] > 0
+            plain_ms = per["plain"]["ms_per_round"]["total"]
+            assert r["break_even_tau"] == pytest.approx(r["ms_per_round"]["total"] / plain_ms)
+            if name != "plain":
+                assert 1.0 <= r["tau"] < 1.5 and r["ms_per_round"]["draft"] > 0  # a random drafter: ~nothing accepted
+        tokens = doc["samples"][f"batch {n}"]["metrics"]["plain"]["tokens"]
+        assert all(t == 6 * int(n) for t in tokens)
+    assert "break-even tau" in p.stdout
 
 
 def test_learning_curves_against_training_seconds(tmp_path):

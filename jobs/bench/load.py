@@ -1,7 +1,11 @@
 """Bounded loopback load test of the Serve application (serve_app): for each system -- no speculation, fixed depth γ,
 load-aware scheduler, and vLLM's own plain decoding behind the same API (--vllm-baselines) -- deploy it locally,
-then at each concurrency level run a fixed number of streamed chat requests and report output tokens/s, per-user tokens/s, median TTFT and the mean verified depth.  Prints one table
-and writes results.json + load_test.png (throughput and mean verified depth vs concurrency) to --out.
+then at each concurrency level run a fixed number of streamed chat requests and report output tokens/s, per-user
+tokens/s, median TTFT and the mean verified depth.  A second table says where the time goes: the native engine's
+milliseconds per round and busy share (its EngineTimers, read through the replica's stats() around each level) and
+the CPU seconds per 1,000 output tokens of the engine replica, the serving path (ingress + HTTP proxy), the load
+generator and the rest (psutil, over this process's tree).  Writes results.json + load_test.png (throughput and mean
+verified depth vs concurrency) to --out.
 
 All systems are deployed side by side (one Serve application each, under /<system>/v1) and the levels are
 INTERLEAVED - for each concurrency, every system in turn (in alternating order), repeated --reps times - so
@@ -222,6 +226,56 @@ def replica_rss_bytes(app: str) -> int:
     return total
 
 
+ROLES = ("engine", "serving", "client", "other")
+
+
+def cpu_seconds_by_role(app: str) -> dict[int, tuple[str, float]]:
+    """{pid: (role, user + system CPU seconds so far)} for this process and everything it started (Ray's daemons and
+    workers, and their children such as vLLM's engine core).  Roles, for application `app`: engine (its engine
+    replica and that replica's children), serving (its ingress and Serve's HTTP proxy), client (this process: the
+    load generator), other (the rest: Ray's daemons, the other applications' idle replicas ...)."""
+    me = psutil.Process()
+    procs = [me] + me.children(recursive=True)
+    role_of: dict[int, str] = {me.pid: "client"}
+    out = {}
+    for proc in procs:  # parents come before their children in psutil's recursive listing
+        try:
+            cmd = " ".join(proc.cmdline())
+            if proc.pid not in role_of:
+                if f"ServeReplica:{app}:" in cmd:
+                    role_of[proc.pid] = "serving" if ":OpenAIIngress" in cmd else "engine"
+                elif "ProxyActor" in cmd:
+                    role_of[proc.pid] = "serving"
+                else:
+                    role_of[proc.pid] = role_of.get(proc.ppid(), "other")
+            t = proc.cpu_times()
+            out[proc.pid] = (role_of[proc.pid], t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_used(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per role between two `cpu_seconds_by_role` snapshots (processes started in between: all of theirs)."""
+    used = dict.fromkeys(ROLES, 0.0)
+    for pid, (role, sec) in after.items():
+        used[role] += sec - before.get(pid, (role, 0.0))[1]
+    return used
+
+
+def engine_timers(app: str) -> dict | None:
+    """The native engine replica's EngineTimers (None for vLLM's replica, which has none)."""
+    from ray import serve
+
+    from serve_app.app import ENGINE_DEPLOYMENT
+
+    try:
+        st = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app).stats.remote().result(timeout_s=30)
+    except Exception:
+        return None
+    return st.get("engine_timers")
+
+
 async def soak(url: str, model: str, app: str, args) -> dict:
     """--soak-clients clients, each sending streamed requests back to back for --soak seconds; RSS every 10 s."""
     end = time.time() + args.soak
@@ -318,12 +372,24 @@ def run(args, harness) -> dict:
                 skipped.append(f"{label}@{c}#{r}")
                 return {}
             n = args.requests_per_level or max(4, 2 * c)
+            cpu0, t0 = cpu_seconds_by_role(label), engine_timers(label)
             lv = asyncio.run(run_level(f"{base}/{label}/v1", "m", c, n, args, deadline))
+            cpu1, t1 = cpu_seconds_by_role(label), engine_timers(label)
+            lv["cpu_s"] = cpu_used(cpu0, cpu1)
+            if t0 and t1 and t1["steps"] > t0["steps"]:  # the native engine: its rounds during this level
+                lv["engine_ms_per_round"] = 1e3 * (t1["total_s"] - t0["total_s"]) / (t1["steps"] - t0["steps"])
+                lv["engine_busy"] = (t1["total_s"] - t0["total_s"]) / lv["wall_s"]
+            else:
+                lv["engine_ms_per_round"] = lv["engine_busy"] = None
             raw[label].setdefault(c, []).append(lv)
+            cpu = lv["cpu_s"]
+            rnd = (f"  {lv['engine_ms_per_round']:6.1f} ms/round, busy {lv['engine_busy']:.0%}"
+                   if lv["engine_ms_per_round"] is not None else "")
             print(f"[{label}] rep {r} c={c:<3} {lv['output_tok_s']:7.1f} tok/s  "
                   f"{lv['per_user_tok_s']:6.2f} tok/s/user  TTFT {lv['median_ttft_s'] or 0:6.3f}s  depth "
-                  f"{lv['mean_verified_depth']:4.2f}  tau {lv['acceptance_length']:4.2f}  errors {lv['errors']}",
-                  flush=True)
+                  f"{lv['mean_verified_depth']:4.2f}  tau {lv['acceptance_length']:4.2f}  errors {lv['errors']}"
+                  f"{rnd}  CPU-s engine {cpu['engine']:.1f} serving {cpu['serving']:.1f} client {cpu['client']:.1f} "
+                  f"other {cpu['other']:.1f}", flush=True)
             return {f"c{c}_output_tok_s": lv["output_tok_s"], f"c{c}_errors": lv["errors"]}
         return one_level
 
@@ -359,7 +425,10 @@ def run(args, harness) -> dict:
 
     results = {label: [dict(concurrency=c, reps=len(lvs), errors=sum(lv["errors"] for lv in lvs),
                             **{k: med(lvs, k) for k in ("output_tok_s", "per_user_tok_s", "median_ttft_s",
-                                                        "mean_verified_depth", "acceptance_length")})
+                                                        "mean_verified_depth", "acceptance_length",
+                                                        "engine_ms_per_round", "engine_busy")},
+                            cpu_s_per_1k_tokens={role: statistics.median(
+                                1e3 * lv["cpu_s"][role] / max(lv["output_tokens"], 1) for lv in lvs) for role in ROLES})
                        for c, lvs in sorted(by_c.items())] for label, by_c in raw.items()}
     # the reference at each concurrency: the FASTEST no-speculation system there (ours or vLLM's)
     ref: dict[int, tuple[float, str]] = {}
@@ -382,6 +451,17 @@ def run(args, harness) -> dict:
     harness.table("load test (medians over the repetitions)",
                   ["system", "users", "tok/s", "tok/s/user", "TTFT med", "depth", "tau", "vs fastest no-spec",
                    "fastest no-spec"], rows)
+    cost_rows = []
+    for label, lvs in results.items():
+        for lv in lvs:
+            ms, cpu = lv["engine_ms_per_round"], lv["cpu_s_per_1k_tokens"]
+            cost_rows.append([label, lv["concurrency"], f"{ms:.1f}" if ms is not None else "-",
+                              f"{lv['engine_busy']:.0%}" if lv["engine_busy"] is not None else "-",
+                              *(f"{cpu[role]:.2f}" for role in ROLES)])
+    harness.table("where the time goes (medians): the native engine's ms per round and busy share of the wall "
+                  "clock; CPU seconds per 1,000 output tokens by process role",
+                  ["system", "users", "ms/round", "engine busy", "CPU engine", "CPU serving", "CPU client",
+                   "CPU other"], cost_rows)
     if skipped:
         print(f"skipped (time budget): {skipped}")
     if results:
