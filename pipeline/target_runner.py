@@ -367,6 +367,10 @@ class TargetRunner:
         self.source: str | None = None  # the HF folder when built by from_pretrained(path)
         # above this many padded attention scores per head (R * T_max * K_max) a ragged batch attends per request
         self.max_padded_scores = 1 << 20
+        # a ragged batch mixing requests of more new tokens than this (prompts) with shorter ones (decode and
+        # verification blocks) attends per request for the long ones and padded to the short ones' T_max for the
+        # rest: padding 15 one-token rows to a 98-token prompt made such a round 6x a decode round (2-core CPU)
+        self.short_block = 16
         # fixed-shape forward for the batches that fit its buckets (pipeline.cuda_graphs.StaticTargetForward; CUDA
         # graphs on a GPU); None = every forward eager
         self.static_forward = None
@@ -568,73 +572,95 @@ class TargetRunner:
         rows_t = rest[N:] if ragged else rest  # [M] token of each logits row
 
         # Attention layout.  'padded': one SDPA over [R, Tmax] queries x [R, Kmax] keys with an exact mask (decode /
-        # verification batches).  'per_request': one SDPA per request (no padding) when padding would be large,
-        # e.g. a long prompt prefilled together with short verification blocks.
-        per_request = R > 1 and ragged and R * Tmax * Kmax > self.max_padded_scores
+        # verification batches).  'per_request': one SDPA per request (no padding) when padding would be large.
+        # 'mixed': a prompt prefilled together with short decode / verification blocks -- the long rows one SDPA
+        # each, the short ones padded together to their own T_max (never to the prompt's length).
+        long_rows = [r for r in range(R) if ns[r] > self.short_block] if R > 1 and ragged else []
+        if R > 1 and ragged and R * Tmax * Kmax > self.max_padded_scores:
+            pad_rows, long_rows = [], list(range(R))
+        elif long_rows and len(long_rows) < R:
+            pad_rows = [r for r in range(R) if ns[r] <= self.short_block]
+        else:
+            pad_rows, long_rows = list(range(R)), []
         windows = {self._layer_window(ly, Kmax) for ly in self.layers}
-        kidx = torch.arange(Kmax, device=dev)
-
-        if not per_request:
+        masks = {}  # window -> the padded rows' mask [R_p, 1, T_p, K_p] (or None)
+        long_masks = {w: [] for w in windows}  # window -> one mask (or None) per long row
+        if pad_rows:
+            Tp = max(ns[r] for r in pad_rows)
+            Kp = max(ends[r] for r in pad_rows)
+            kidx = torch.arange(Kp, device=dev)
             # key j visible to query t of request r iff j <= start_r + t (padded queries t >= n_r reuse the last real
             # position: always >= 1 visible key; their outputs are dropped)
-            need_mask = not (R == 1 and Tmax == 1)
-            qpos = torch.tensor([[st + min(t, n - 1) for t in range(Tmax)] for st, n in zip(starts, ns)],
-                                dtype=torch.long).to(dev, non_blocking=True)  # [R, T_max]
+            need_mask = not (len(pad_rows) == 1 and Tp == 1)
+            qpos = torch.tensor([[starts[r] + min(t, ns[r] - 1) for t in range(Tp)] for r in pad_rows],
+                                dtype=torch.long).to(dev, non_blocking=True)  # [R_p, T_p]
             masks = {w: (attention_mask(kidx, qpos, w).unsqueeze(1) if (need_mask or w is not None) else None)
                      for w in windows}
-        else:
-            masks = {}
+        if long_rows:
+            kidx_l = torch.arange(max(ends[r] for r in long_rows), device=dev)
             for w in windows:
-                per = []
-                for st, n in zip(starts, ns):
-                    if n == 1 and w is None:
-                        per.append(None)  # one query sees the whole (cropped) cache
-                    else:
-                        per.append(attention_mask(kidx, torch.arange(st, st + n, device=dev), w)
-                                   [None, None, :, :st + n])
-                masks[w] = per
-        layer_masks = [masks[self._layer_window(ly, Kmax)] for ly in self.layers]
-
-        contiguous_slots = slots == list(range(slots[0], slots[0] + R))
-        slot_sel = None if contiguous_slots else torch.tensor(slots, dtype=torch.long, device=dev)
-        s0 = slots[0]
+                for r in long_rows:
+                    st, n = starts[r], ns[r]
+                    long_masks[w].append(None if n == 1 and w is None else  # one query sees the whole cache
+                                         attention_mask(kidx_l, torch.arange(st, st + n, device=dev), w)
+                                         [None, None, :, :st + n])
+        layer_windows = [self._layer_window(ly, Kmax) for ly in self.layers]
+        sub = bool(pad_rows) and len(pad_rows) < R  # the padded rows are a subset: gather / scatter their tokens
+        if sub:
+            tok_p, grid_p = [], []
+            for i, r in enumerate(pad_rows):
+                tok_p.extend(range(tok_off[r], tok_off[r + 1]))
+                grid_p.extend(range(i * Tp, i * Tp + ns[r]))
+            idx = torch.tensor(tok_p + grid_p, dtype=torch.long).to(dev, non_blocking=True)
+            tok_p_t, grid_p_t = idx[:len(tok_p)], idx[len(tok_p):]
+        elif pad_rows:
+            tok_p_t, grid_p_t = None, pad_t  # all rows: the batch's own token -> query-grid map
+        pad_slots = [slots[r] for r in pad_rows]
+        pad_contiguous = bool(pad_rows) and pad_slots == list(range(pad_slots[0], pad_slots[0] + len(pad_rows)))
+        pad_sel = None if (not pad_rows or pad_contiguous) else torch.tensor(pad_slots, dtype=torch.long, device=dev)
+        pad_ragged = bool(pad_rows) and (sub or ragged) and any(ns[r] != Tp for r in pad_rows)
 
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         x, cos, sin, aux_out = self._embed_tokens(ids_t, pos_t, cos_t, sin_t, aux_ids)
         gqa = H != KVH
+        Rp = len(pad_rows)
         for li, ly in enumerate(self.layers):
             q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2, in the cache dtype
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc[slot_t, pos_t] = k
             vc[slot_t, pos_t] = v
-            if per_request:
-                outs = []
-                for r in range(R):
-                    a, b, e, sl = tok_off[r], tok_off[r + 1], ends[r], slots[r]
-                    o_r = F.scaled_dot_product_attention(
-                        q[a:b].transpose(0, 1)[None], kc[sl, :e].transpose(0, 1)[None],
-                        vc[sl, :e].transpose(0, 1)[None], attn_mask=layer_masks[li][r], scale=self._scale,
-                        enable_gqa=gqa)
-                    outs.append(o_r[0].transpose(0, 1).reshape(b - a, H * hd))
-                att = torch.cat(outs)
-            else:
-                if slot_sel is None:
-                    K = kc[s0:s0 + R, :Kmax]  # [R, K_max, KVH, hd]
-                    V = vc[s0:s0 + R, :Kmax]
+            w = layer_windows[li]
+            att = None if not sub and not long_rows else q.new_empty(N, H * hd)
+            for j, r in enumerate(long_rows):
+                a, b, e, sl = tok_off[r], tok_off[r + 1], ends[r], slots[r]
+                o_r = F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1)[None], kc[sl, :e].transpose(0, 1)[None],
+                    vc[sl, :e].transpose(0, 1)[None], attn_mask=long_masks[w][j], scale=self._scale,
+                    enable_gqa=gqa)
+                att[a:b] = o_r[0].transpose(0, 1).reshape(b - a, H * hd)
+            if Rp:
+                if pad_sel is None:
+                    K = kc[pad_slots[0]:pad_slots[0] + Rp, :Kp]  # [R_p, K_p, KVH, hd]
+                    V = vc[pad_slots[0]:pad_slots[0] + Rp, :Kp]
                 else:
-                    K = kc[slot_sel, :Kmax]
-                    V = vc[slot_sel, :Kmax]
-                if ragged:
-                    qp = q.new_zeros(R * Tmax, H, hd)
-                    qp[pad_t] = q
-                    qp = qp.view(R, Tmax, H, hd)
+                    K = kc[pad_sel, :Kp]
+                    V = vc[pad_sel, :Kp]
+                qs = q if tok_p_t is None else q[tok_p_t]
+                if pad_ragged:
+                    qp = q.new_zeros(Rp * Tp, H, hd)
+                    qp[grid_p_t] = qs
+                    qp = qp.view(Rp, Tp, H, hd)
                 else:
-                    qp = q.view(R, Tmax, H, hd)
-                att = F.scaled_dot_product_attention(qp.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2),
-                                                     attn_mask=layer_masks[li], scale=self._scale, enable_gqa=gqa)
-                att = att.transpose(1, 2).reshape(R * Tmax, H * hd)
-                if ragged:
-                    att = att[pad_t]
+                    qp = qs.view(Rp, Tp, H, hd)
+                o_p = F.scaled_dot_product_attention(qp.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2),
+                                                     attn_mask=masks[w], scale=self._scale, enable_gqa=gqa)
+                o_p = o_p.transpose(1, 2).reshape(Rp * Tp, H * hd)
+                if pad_ragged:
+                    o_p = o_p[grid_p_t]
+                if att is None:
+                    att = o_p
+                else:
+                    att[tok_p_t] = o_p
             x = self._mlp_block(ly, x, att)
             if (li + 1) in aux_ids:
                 aux_out[li + 1] = x

@@ -168,8 +168,8 @@ def test_load_benchmark_includes_vllm_plain_decoding(tmp_path):
 
 def test_depth_cost_reports_round_costs_and_break_even_tau(tmp_path):
     """Plain decoding vs fixed depth 1 and 2 with a random drafter at batch 1 and 2: every request gets its
-    --max-tokens (EOS ignored), the plain system's tau and break-even tau are 1, a random drafter's tau is ~1, and a
-    depth's break-even tau is its round time over the plain round time."""
+    --max-tokens (EOS ignored), the plain system's tau and break-even tau are 1, a random drafter's tau is ~1, a
+    depth's break-even tau is its round time over the plain round time (rounds with the whole batch decoding)."""
     p = bench("depth_cost", "--draft-vocab", "512", "--batch", "1", "2", "--depths", "1", "2", "--max-tokens", "6",
               "--passes", "1", "--out", str(tmp_path), timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -180,7 +180,8 @@ def test_depth_cost_reports_round_costs_and_break_even_tau(tmp_path):
         assert set(per) == {"plain", "depth 1", "depth 2"}
         assert per["plain"]["tau"] == 1.0 and per["plain"]["break_even_tau"] == pytest.approx(1.0)
         for name, r in per.items():
-            assert r["tok_s"] > 0 and r["rounds"] > 0
+            assert r["tok_s"] > 0 and r["full_rounds"] > 0
+            assert r["full_batch_over_plain"] == pytest.approx(r["tau"] / r["break_even_tau"])
             plain_ms = per["plain"]["ms_per_round"]["total"]
             assert r["break_even_tau"] == pytest.approx(r["ms_per_round"]["total"] / plain_ms)
             if name != "plain":

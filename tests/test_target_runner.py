@@ -151,11 +151,13 @@ def test_bf16_packed_weights():
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-@pytest.mark.parametrize("layout", ["padded", "per_request"])
+@pytest.mark.parametrize("layout", ["padded", "per_request", "mixed"])
 def test_ragged_batch_equals_per_request(kind, layout):
     """Three requests with different cache lengths and different numbers of new tokens in ONE forward (slots not
-    contiguous, batch order permuted) == each request alone.  Both attention layouts (padded with an exact mask /
-    one attention call per request) are exercised; mistral adds a sliding window shorter than the contexts."""
+    contiguous, batch order permuted) == each request alone.  All three attention layouts (padded with an exact
+    mask / one attention call per request / the long rows per request and the short ones padded together, as when a
+    prompt is prefilled beside decode rounds) are exercised; mistral adds a sliding window shorter than the
+    contexts."""
     m = _model(kind)
     g = torch.Generator().manual_seed(2)
     V = CFG["vocab_size"]
@@ -171,7 +173,9 @@ def test_ragged_batch_equals_per_request(kind, layout):
         ref.append(solo.forward([s], [n], aux_layer_ids=[0, 2, 3]))
 
     bat = TargetRunner(m, "float32", device="cpu", init_slots=2, init_len=8)
-    bat.max_padded_scores = 1 << 20 if layout == "padded" else 0
+    bat.max_padded_scores = 0 if layout == "per_request" else 1 << 20
+    # mixed: rows of more than 4 new tokens attend alone (prefill 7 / 15 of 7, 15, 3; then 8 of 4, 1, 8)
+    bat.short_block = 4 if layout == "mixed" else 1 << 30
     junk = bat.alloc()  # make slots non-contiguous
     slots = [bat.alloc() for _ in ids]
     bat.free(junk)

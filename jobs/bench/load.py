@@ -377,13 +377,18 @@ def run(args, harness) -> dict:
             cpu1, t1 = cpu_seconds_by_role(label), engine_timers(label)
             lv["cpu_s"] = cpu_used(cpu0, cpu1)
             if t0 and t1 and t1["steps"] > t0["steps"]:  # the native engine: its rounds during this level
-                lv["engine_ms_per_round"] = 1e3 * (t1["total_s"] - t0["total_s"]) / (t1["steps"] - t0["steps"])
+                steps = t1["steps"] - t0["steps"]
+                lv["engine_ms_per_round"] = 1e3 * (t1["total_s"] - t0["total_s"]) / steps
+                lv["engine_draft_ms_per_round"] = 1e3 * (t1["draft_s"] - t0["draft_s"]) / steps
+                lv["engine_target_ms_per_round"] = 1e3 * (t1["target_s"] - t0["target_s"]) / steps
                 lv["engine_busy"] = (t1["total_s"] - t0["total_s"]) / lv["wall_s"]
             else:
                 lv["engine_ms_per_round"] = lv["engine_busy"] = None
+                lv["engine_draft_ms_per_round"] = lv["engine_target_ms_per_round"] = None
             raw[label].setdefault(c, []).append(lv)
             cpu = lv["cpu_s"]
-            rnd = (f"  {lv['engine_ms_per_round']:6.1f} ms/round, busy {lv['engine_busy']:.0%}"
+            rnd = (f"  {lv['engine_ms_per_round']:6.1f} ms/round (draft {lv['engine_draft_ms_per_round']:.1f}, "
+                   f"target {lv['engine_target_ms_per_round']:.1f}), busy {lv['engine_busy']:.0%}"
                    if lv["engine_ms_per_round"] is not None else "")
             print(f"[{label}] rep {r} c={c:<3} {lv['output_tok_s']:7.1f} tok/s  "
                   f"{lv['per_user_tok_s']:6.2f} tok/s/user  TTFT {lv['median_ttft_s'] or 0:6.3f}s  depth "
@@ -426,7 +431,8 @@ def run(args, harness) -> dict:
     results = {label: [dict(concurrency=c, reps=len(lvs), errors=sum(lv["errors"] for lv in lvs),
                             **{k: med(lvs, k) for k in ("output_tok_s", "per_user_tok_s", "median_ttft_s",
                                                         "mean_verified_depth", "acceptance_length",
-                                                        "engine_ms_per_round", "engine_busy")},
+                                                        "engine_ms_per_round", "engine_draft_ms_per_round",
+                                                        "engine_target_ms_per_round", "engine_busy")},
                             cpu_s_per_1k_tokens={role: statistics.median(
                                 1e3 * lv["cpu_s"][role] / max(lv["output_tokens"], 1) for lv in lvs) for role in ROLES})
                        for c, lvs in sorted(by_c.items())] for label, by_c in raw.items()}
@@ -455,12 +461,14 @@ def run(args, harness) -> dict:
     for label, lvs in results.items():
         for lv in lvs:
             ms, cpu = lv["engine_ms_per_round"], lv["cpu_s_per_1k_tokens"]
+            part = [lv["engine_draft_ms_per_round"], lv["engine_target_ms_per_round"]]
             cost_rows.append([label, lv["concurrency"], f"{ms:.1f}" if ms is not None else "-",
+                              *(f"{x:.1f}" if x is not None else "-" for x in part),
                               f"{lv['engine_busy']:.0%}" if lv["engine_busy"] is not None else "-",
                               *(f"{cpu[role]:.2f}" for role in ROLES)])
     harness.table("where the time goes (medians): the native engine's ms per round and busy share of the wall "
                   "clock; CPU seconds per 1,000 output tokens by process role",
-                  ["system", "users", "ms/round", "engine busy", "CPU engine", "CPU serving", "CPU client",
+                  ["system", "users", "ms/round", "draft ms", "target ms", "engine busy", "CPU engine", "CPU serving", "CPU client",
                    "CPU other"], cost_rows)
     if skipped:
         print(f"skipped (time budget): {skipped}")
