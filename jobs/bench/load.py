@@ -246,8 +246,8 @@ def cpu_seconds_by_role(app: str) -> dict[int, tuple[str, float]]:
                     role_of[proc.pid] = "serving" if ":OpenAIIngress" in cmd else "engine"
                 elif "ProxyActor" in cmd:
                     role_of[proc.pid] = "serving"
-                else:
-                    role_of[proc.pid] = role_of.get(proc.ppid(), "other")
+                else:  # a child of the engine replica (vLLM's engine core) is the engine; Ray's daemons are not
+                    role_of[proc.pid] = "engine" if role_of.get(proc.ppid()) == "engine" else "other"
             t = proc.cpu_times()
             out[proc.pid] = (role_of[proc.pid], t.user + t.system)
         except psutil.Error:
