@@ -618,7 +618,7 @@ class TargetRunner:
         pad_slots = [slots[r] for r in pad_rows]
         pad_contiguous = bool(pad_rows) and pad_slots == list(range(pad_slots[0], pad_slots[0] + len(pad_rows)))
         pad_sel = None if (not pad_rows or pad_contiguous) else torch.tensor(pad_slots, dtype=torch.long, device=dev)
-        pad_ragged = bool(pad_rows) and (sub or ragged) and any(ns[r] != Tp for r in pad_rows)
+        pad_ragged = bool(pad_rows) and any(ns[r] != Tp for r in pad_rows)  # holes in the padded query grid
 
         H, KVH, hd = c.num_heads, c.num_kv_heads, c.head_dim
         x, cos, sin, aux_out = self._embed_tokens(ids_t, pos_t, cos_t, sin_t, aux_ids)

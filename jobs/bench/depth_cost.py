@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from jobs.bench.draft_budget import build_drafter
+from jobs.bench.draft_budget import add_drafter_arguments, build_drafter
 from jobs.bench.load import add_prompt_arguments, load_prompts
 from pipeline.engine import SpecConfig, SpeculativeEngine
 from pipeline.prompts import chat_prompt_ids
@@ -33,13 +33,7 @@ PARTS = ("draft_s", "schedule_s", "target_s", "verify_s", "total_s")  # EngineTi
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--drafter", help="exported drafter folder (default: random weights, see --draft-vocab)")
-    ap.add_argument("--draft-vocab", type=int, default=2496, help="draft vocabulary of the random drafter")
-    ap.add_argument("--target", default=None, help="HF folder (default: the prepared SmolLM2 target)")
-    ap.add_argument("--dtype", default="float32", help="target precision, as jobs.evaluate --spec-dtype "
-                    "(float32, float32:packed, bfloat16, bfloat16:packed ...)")
-    ap.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="drafter precision (auto: bfloat16 with a bfloat16 --dtype on a CPU with native bf16)")
+    add_drafter_arguments(ap)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="requests decoding at once")
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3, 7], help="fixed verification depths")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")

@@ -30,15 +30,21 @@ HELP = "one drafting round (propose + context update) vs one target decode step,
 PARTS = ("draft.block_forward", "draft.sequential_loop", "draft.confidence")
 
 
-def add_arguments(ap) -> None:
+def add_drafter_arguments(ap) -> None:
+    """The options `build_drafter` reads (--drafter, --draft-vocab, --drafter-dtype) and the target's (--target,
+    --dtype); shared with the depth_cost benchmark."""
     ap.add_argument("--drafter", help="exported drafter folder (default: random weights, see --draft-vocab)")
     ap.add_argument("--draft-vocab", type=int, default=2496, help="draft vocabulary of the random drafter")
     ap.add_argument("--target", default=None, help="HF folder (default: the prepared SmolLM2 target)")
-    ap.add_argument("--dtype", default="float32", help="target precision (float32: automatic CPU back end; "
-                    "float32:hybrid, float32:packed, float32:mkl)")
+    ap.add_argument("--dtype", default="float32", help="target precision, as jobs.evaluate --spec-dtype (float32: "
+                    "automatic CPU back end; float32:hybrid, float32:packed, float32:mkl, bfloat16, bfloat16:packed)")
     ap.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="drafter precision (auto: bfloat16 with a bfloat16 --dtype on a CPU with native bf16, as "
                          "jobs.evaluate --drafter-dtype auto)")
+
+
+def add_arguments(ap) -> None:
+    add_drafter_arguments(ap)
     ap.add_argument("--context", type=int, default=300, help="tokens already in both caches")
     ap.add_argument("--accepted", type=int, default=1, help="accepted drafts per round for the context update")
     ap.add_argument("--reps", type=int, default=40)

@@ -256,7 +256,8 @@ def cpu_seconds_by_role(app: str) -> dict[int, tuple[str, float]]:
 
 
 def cpu_used(before: dict, after: dict) -> dict[str, float]:
-    """CPU seconds per role between two `cpu_seconds_by_role` snapshots (processes started in between: all of theirs)."""
+    """CPU seconds per role between two `cpu_seconds_by_role` snapshots (a process started in between: all of its
+    time)."""
     used = dict.fromkeys(ROLES, 0.0)
     for pid, (role, sec) in after.items():
         used[role] += sec - before.get(pid, (role, 0.0))[1]
@@ -468,8 +469,8 @@ def run(args, harness) -> dict:
                               *(f"{cpu[role]:.2f}" for role in ROLES)])
     harness.table("where the time goes (medians): the native engine's ms per round and busy share of the wall "
                   "clock; CPU seconds per 1,000 output tokens by process role",
-                  ["system", "users", "ms/round", "draft ms", "target ms", "engine busy", "CPU engine", "CPU serving", "CPU client",
-                   "CPU other"], cost_rows)
+                  ["system", "users", "ms/round", "draft ms", "target ms", "engine busy", "CPU engine", "CPU serving",
+                   "CPU client", "CPU other"], cost_rows)
     if skipped:
         print(f"skipped (time budget): {skipped}")
     if results:
