@@ -22,6 +22,8 @@ def main(argv=None):
         print(f"{name:<22} {s.get('tau', 1.0):6.2f} {s['tokens_per_s']:8.1f} "
               f"{s['speedup_vs_fastest_baseline']:8.2f} {s.get('mean_verified_depth', 0):6.2f} "
               f"{str(s['greedy_mismatches_vs_baseline']):>8}")
+    for label, c in res.get("bias_cache", {}).items():
+        print(f"bias_cache {label}: {c['hits']} hits, {c['misses']} misses (hit rate {c['hit_rate']:.1%})")
     print(f"results: {cfg.out / 'results.json'}")
     return res
 

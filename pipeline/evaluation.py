@@ -86,6 +86,10 @@ class EvalConfig:
     threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)"})
     device: str = field(default="auto", metadata={"help": "device of target and drafters: auto (cuda if present), "
                                                           "cpu, cuda"})
+    no_bias_cache: list[str] = field(default_factory=list, metadata={
+        "help": "drafter labels (--drafter LABEL=DIR) that compute the vanilla Markov head's step bias every step "
+                "instead of reading it from the head's per-token cache, e.g. --drafter dspark=D --drafter "
+                "dspark_nocache=D --no-bias-cache dspark_nocache: the cache's effect side by side"})
 
     def __post_init__(self):  # a clear error naming the flag (parse_config turns it into a usage error)
         vllm_baseline_dtypes(self.vllm_baselines)
@@ -247,8 +251,15 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
     ref_name = f"baseline-{cfg.spec_dtype}"  # lossless = same tokens as the target in the SAME precision
     scheduler_of = {}
     drafter_dtype = resolve_drafter_dtype(cfg.drafter_dtype, cfg.spec_dtype, device)
+    loaded = {}
+    unknown = [x for x in cfg.no_bias_cache if x not in [label for label, _ in drafters]]
+    if unknown:
+        raise ValueError(f"--no-bias-cache: {', '.join(unknown)} is not a --drafter label "
+                         f"({', '.join(label for label, _ in drafters)})")
     for label, path in drafters:
-        d = load_drafter(path, str(target), dtype=drafter_dtype, device=device)
+        d = loaded[label] = load_drafter(path, str(target), dtype=drafter_dtype, device=device)
+        if label in cfg.no_bias_cache:
+            d.markov_head.bias_cache = None
         for i, sch in enumerate(drafter_schedulers(cfg, bool(d.cfg.enable_confidence_head))):
             spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=sch,
                               confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
@@ -295,6 +306,11 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
         overall[name]["greedy_mismatches_vs_baseline"] = mismatches[name] if cfg.temperature == 0 and g else None
     results["overall"] = overall
     results["fastest_baseline"] = base[1]
+    # the vanilla Markov head's step-bias cache over the whole run (pipeline.dspark.markov_head.BiasCache)
+    results["bias_cache"] = {label: {"hits": c.hits, "misses": c.misses,
+                                     "hit_rate": c.hits / max(1, c.hits + c.misses)}
+                             for label, d in loaded.items()
+                             if (c := getattr(d.markov_head, "bias_cache", None)) is not None}
     cfg.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(cfg.out / "results.json", results)
     plot_acceptance(results, cfg.out / "acceptance_by_position.png")

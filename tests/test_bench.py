@@ -215,3 +215,29 @@ def test_learning_curves_against_training_seconds(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 0
     p = bench("learning_curves", f"run={m.parent}", "--key", "heldout_walk_tau", "--out", str(tmp_path / "out"))
     assert p.returncode != 0 and "--key heldout_walk_tau: name the teacher-forced curve (heldout_tau)" in p.stderr
+
+
+def test_one_user_replica_closed_loop_streams_and_prefill_layouts(tmp_path):
+    """The replica level with closed-loop streams (each sends 2 requests in turn), bf16 target, coalesced events,
+    EOS ignored, both prefill layouts: every request gets its --max-tokens, every system reports per-pass rates,
+    the load-aware / no-spec and mixed / padded ratios of the medians, and its rounds by kind, which add up to the
+    engine's rounds."""
+    p = bench("one_user", "--level", "replica", "--batch", "2", "--requests-per-stream", "2", "--max-tokens", "6",
+              "--ignore-eos", "--dtype", "bfloat16", "--stream-interval", "3", "--layouts", "mixed", "padded",
+              "--passes", "1", "--out", str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    r = doc["results"]["replica"]
+    names = {"none", "hardware", "none/padded", "hardware/padded"}
+    assert set(r["tok_s_median"]) == names
+    smp = doc["samples"]["replica"]["metrics"]
+    for n in names:
+        assert smp[n]["tokens"] == [4 * 6, 4 * 6], n  # 2 units of 2 streams x 2 requests x 6 tokens
+        assert len(r["tok_s_per_pass"][n]) == 1 and r["tok_s_median"][n] > 0
+        kinds = r["round_kinds"][n]
+        assert set(kinds) <= {"decode", "mixed", "prefill"} and kinds["decode"]["rounds"] > 0, (n, kinds)
+        assert sum(k["rounds"] for k in kinds.values()) == r["timers"][n]["steps"], (n, kinds, r["timers"][n])
+    assert r["load_aware_over_no_spec"] == pytest.approx(r["tok_s_median"]["hardware"] / r["tok_s_median"]["none"])
+    assert set(r["ratios"]) == {"hardware / none", "hardware/padded / none/padded", "none / none/padded",
+                                "hardware / hardware/padded"}
+    assert all(r["round_kinds"][n]["prefill"]["rounds"] >= 2 for n in names)  # each unit starts with a prefill

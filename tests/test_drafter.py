@@ -7,7 +7,7 @@ from pipeline.dspark.draft_vocab import build_draft_vocab, count_tokens, d2t_fro
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.config import DrafterConfig, DrafterConfigError, dflash_layer_ids
 from pipeline.sampling import SamplingParams
-from pipeline.dspark.markov_head import NoHead, RNNMarkovHead
+from pipeline.dspark.markov_head import BiasCache, GatedMarkovHead, NoHead, RNNMarkovHead, VanillaMarkovHead
 
 torch.set_num_threads(1)  # tiny shapes: threads only add contention on the shared 2-core machine
 
@@ -381,6 +381,43 @@ def test_rnn_step_equals_parallel_and_carries_state():
         zero_state_bias.append(head.step(prev[:, k], h[:, k], head.init_state(3))[0])
     assert not torch.allclose(zero_state_bias[2], par[:, 2])  # a stateless step (reference bug) would differ
     assert NoHead().bias(prev, h) is None and NoHead().step(prev[:, 0], h[:, 0], None) == (None, None)
+
+
+@pytest.mark.parametrize("w1", ["table", "embedding"])
+def test_vanilla_step_bias_cache_equals_the_uncached_step_and_follows_the_weights(w1):
+    """The inference step's bias rows by previous token: the same values as computing W2 W1[prev] each step, with
+    repeats and duplicates in a batch, more distinct tokens than rows (LRU eviction), under inference_mode and
+    no_grad alike; an in-place weight update empties it; autograd (training) never reads it."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(V, D) if w1 == "embedding" else None
+    head = VanillaMarkovHead(V, 40, 16, D, target_embed=emb)
+    with torch.no_grad():
+        head.markov_w2.weight.normal_()
+        head.markov_w1.weight.normal_()
+    cache = head.bias_cache = BiasCache(capacity_bytes=64 * 40 * 4)  # 64 rows (the minimum)
+    h = torch.randn(5, D)
+
+    def uncached(prev):
+        return head.project(head.prev_embed(prev))
+
+    gen = torch.Generator().manual_seed(1)
+    for i in range(60):
+        prev = torch.randint(0, 90 if i < 40 else V, (5,), generator=gen)
+        prev[3] = prev[0]  # a duplicate within the batch
+        ctx = torch.inference_mode() if i % 2 else torch.no_grad()
+        with ctx:
+            got, state = head.step(prev, h, None)
+            torch.testing.assert_close(got, uncached(prev), rtol=1e-4, atol=1e-5)  # fp32 GEMMs of other shapes
+        assert state is None
+    assert cache.hits > 0 and cache.misses > 64  # reused rows, and evictions past the 64 rows
+    assert cache.rows.shape == (64, 40)
+    with torch.no_grad():
+        head.markov_w2.weight.mul_(2.0)  # in place: the cached rows are stale
+        prev = torch.arange(5)
+        torch.testing.assert_close(head.step(prev, h, None)[0], uncached(prev))
+    out, _ = head.step(prev, h, None)  # grad enabled: the plain path, differentiable
+    assert out.requires_grad
+    assert GatedMarkovHead(V, 40, 16, D).bias_cache is None and RNNMarkovHead(V, 40, 16, D).bias_cache is None
 
 
 # ---------------------------------------------------------------------------------------------------------------

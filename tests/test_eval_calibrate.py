@@ -66,6 +66,9 @@ def test_evaluate_side_by_side_lossless(smol_drafter, bench_file, target_dir, tm
     for png in ("acceptance_by_position.png", "reliability.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert json.loads((tmp_path / "results.json").read_text())["fastest_baseline"].startswith("baseline")
+    c = res["bias_cache"]["dspark"]  # the vanilla head's step biases: 7 lookups per drafted row
+    assert 7 * (s["rounds"] - 2) <= c["hits"] + c["misses"] and c["misses"] > 0
+    assert c["hits"] > 0 and c["hit_rate"] == pytest.approx(c["hits"] / (c["hits"] + c["misses"]))
 
 
 def test_calibrate_writes_temperatures(smol_drafter, bench_file, target_dir, tmp_path):

@@ -9,6 +9,9 @@ Per repetition (the order alternates, so contention hits all alike): a target fo
 as in the engine), one `propose` at batch 1 (greedy), and the context update of a round (`extend_context` of the
 verified tokens, --accepted + 1 of them).  Prints the medians, the ratio to the target step (the budget:
 <= 25%) and, from a torch.profiler pass, the share of each part of `propose` (its record_function labels).
+With a vanilla Markov head `propose` reads the step biases from the head's bias cache (every round starts from the
+same anchor, so all hits after the warm-up) and "propose, no bias cache" computes them every step: the two ends of
+what real text gives (its hit rate: `jobs.evaluate`'s bias_cache line).
 """
 from __future__ import annotations
 
@@ -92,11 +95,22 @@ def run(args, harness) -> dict:
     def propose(rep=0):
         drafter.propose([state], anchor, params)
 
+    cache = getattr(drafter.markov_head, "bias_cache", None)
+
+    def propose_uncached(rep):  # every step projects W1[prev] through W2 (the cache's misses)
+        drafter.markov_head.bias_cache = None
+        try:
+            drafter.propose([state], anchor, params)
+        finally:
+            drafter.markov_head.bias_cache = cache
+
     def extend(rep):
         drafter.extend_context(state, aux[-n_new:])
         drafter.truncate(state, args.context)
 
     cases = {"target step": target_step, "propose": propose, "extend_context": extend}
+    if cache is not None:  # vanilla head: the step's bias rows come from the cache (all hits: one anchor)
+        cases["propose, no bias cache"] = propose_uncached
     with torch.inference_mode():
         s = harness.interleave(cases, args.reps, warmup=3, label="round vs target step")
         from torch.profiler import ProfilerActivity, profile

@@ -6,25 +6,38 @@ after one warm-up pass:
   replica  serve_app.replica.EngineReplica (the Serve deployment's class, its continuous-batching loop and event
            stream) driven in this process, no HTTP / ingress / Ray
 
-Prints tokens/s per system, the ratio load-aware / no-spec, and the engine timers (drafting time, skipped drafting
-rounds).  Compare with `python -m jobs.bench load --systems none hardware --concurrency 1` (through Serve and HTTP).
+Prints tokens/s per system (over all measured passes, and the median of the passes), the ratio load-aware / no-spec,
+the engine timers (drafting time, skipped drafting rounds) and the target forward's time per kind of round:
+decode (every row a decode / verification block), mixed (prompts prefilled beside decode rows) and prefill only.
+Compare with `python -m jobs.bench load --systems none hardware --concurrency 1` (through Serve and HTTP).
 
 --batch N: N requests at once - one engine batch (engine level), N concurrent streams into the replica (replica
 level): the load test's concurrency N without Serve; --prompts takes real benchmark prompts like the load test does.
+--requests-per-stream K (replica level): each stream sends K requests one after another, as the load test's
+closed-loop clients do, so requests finish and new prompts are prefilled beside the others' decoding.
+--layouts mixed padded: every system also with the target runner's older prefill layout (every row of a round that
+prefills a prompt padded to the prompt's length, `TargetRunner.short_block` above any prompt), interleaved with the
+current one.
 
     python -m jobs.bench one_user --drafter work/gpu/train_dspark/drafter --passes 3
     python -m jobs.bench one_user --drafter DIR --level engine --batch 16 \\
         --prompts ../shared/data/eval/gsm8k.jsonl --prompt-limit 32 --max-tokens 64 --passes 2
+    python -m jobs.bench one_user --drafter DIR --level replica --batch 16 --requests-per-stream 2 \\
+        --dtype bfloat16:packed --stream-interval 8 --layouts mixed padded --max-tokens 128 \\
+        --prompts ../shared/data/eval/gsm8k.jsonl --prompt-limit 64 --passes 3
 """
 from __future__ import annotations
 
 import asyncio
+import statistics
+from dataclasses import dataclass, field
 
 import torch
 
-from jobs.bench.load import add_prompt_arguments, load_prompts
+from jobs.bench.load import add_prompt_arguments, load_prompts, random_drafter
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine import SpecConfig, SpeculativeEngine
+from pipeline.evaluation import resolve_drafter_dtype
 from pipeline.prompts import chat_prompt_ids, end_of_turn_ids
 from pipeline.sampling import SamplingParams
 from pipeline.target_model import resolve_target
@@ -33,11 +46,14 @@ from pipeline.target_runner import TargetRunner
 NAME = "one_user"
 HELP = "no-spec vs load-aware speculation for one user (or --batch N), engine and replica level, without Serve"
 
-SYSTEMS = ["none", "hardware"]
+SCHEDULERS = ["none", "hardware"]
+PADDED_SHORT_BLOCK = 1 << 30  # no prompt is longer: every row of a prefilling round is padded to the longest
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--drafter", required=True, help="exported DSpark checkpoint folder")
+    p.add_argument("--drafter", default=None,
+                   help="exported DSpark checkpoint folder (default: an untrained 1-layer drafter, a plumbing check "
+                        "whose speculation accepts next to nothing)")
     p.add_argument("--target", default=None, help="target HF folder (default: the prepared SmolLM2)")
     p.add_argument("--level", nargs="+", default=["engine", "replica"], choices=["engine", "replica"])
     p.add_argument("--passes", type=int, default=3, help="measured passes over the prompts (after one warm-up)")
@@ -45,90 +61,201 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch", type=int, default=1,
                    help="requests at once: one engine batch / concurrent replica streams")
+    p.add_argument("--requests-per-stream", type=int, default=1,
+                   help="replica level: requests each stream sends one after another (closed loop)")
+    p.add_argument("--dtype", default="float32",
+                   help="target precision, as jobs.serve --dtype (float32, bfloat16, bfloat16:packed, ...); the "
+                        "drafter follows it as in the Serve replica")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="replica level: tokens per streamed event after the first, as jobs.serve --stream-interval")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens for every request")
+    p.add_argument("--layouts", nargs="+", default=["mixed"], choices=["mixed", "padded"],
+                   help="target runner layouts of a round that prefills prompts beside decode rows: mixed (the "
+                        "runner's) and padded (every row padded to the prompt), interleaved")
     add_prompt_arguments(p)
 
 
-def interleaved(harness, level, run_one, batches, passes, engines):
-    """run_one(name, batch) -> tokens over one warm-up pass + ``passes`` measured passes, every batch of prompts
-    once per pass for each system (order alternating); returns {name: (tokens, seconds)} over the measured passes
-    and the engine timers' growth over them."""
-    start = {}  # EngineTimers.to_dict() when the measured passes begin (the warm-up pass is left out)
-    cases = {n: (lambda rep, n=n: {"tokens": run_one(n, batches[rep % len(batches)])}) for n in SYSTEMS}
-    s = harness.interleave(cases, passes * len(batches), warmup=len(batches), label=level,
-                           after_warmup=lambda: start.update({n: e.timers.to_dict() for n, e in engines.items()}))
+@dataclass
+class System:
+    """One measured configuration: a scheduler on an engine, with a prefill layout."""
 
-    def timers(n, engine):
-        t = {k: v - start.get(n, {}).get(k, 0) for k, v in engine.timers.to_dict().items()}
-        return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items()}
+    name: str
+    engine: SpeculativeEngine
+    runner: TargetRunner
+    layout: str
+    timers: dict = field(default_factory=dict)  # growth of the engine timers over the measured calls
+    shapes: list = field(default_factory=list)  # the engine's shape_log entries of the measured calls
 
-    tot = {n: (s.total(n, "tokens"), s.total(n, "wall_s")) for n in SYSTEMS}
-    return tot, {n: timers(n, e) for n, e in engines.items()}
+    def call(self, fn, measuring: bool):
+        """fn() with this system's layout; keeps the timers and round shapes of measured calls."""
+        self.runner.short_block = PADDED_SHORT_BLOCK if self.layout == "padded" else self.default_short_block
+        before, self.engine.shape_log = self.engine.timers.to_dict(), []
+        try:
+            out = fn()
+        finally:
+            self.runner.short_block = self.default_short_block
+        if measuring:
+            for k, v in self.engine.timers.to_dict().items():
+                self.timers[k] = self.timers.get(k, 0) + v - before.get(k, 0)
+            self.shapes.extend(self.engine.shape_log)
+        self.engine.shape_log = None
+        return out
+
+    def __post_init__(self):
+        self.default_short_block = self.runner.short_block
 
 
-def report(harness, level, tot, timers) -> dict:
+def make_systems(engines: dict, runners: dict, layouts: list[str]) -> dict[str, System]:
+    """{scheduler: engine} x layouts -> {name: System}; names 'none', 'hardware', 'none/padded', ..."""
+    out = {}
+    for layout in layouts:
+        for sched in SCHEDULERS:
+            name = sched if layout == "mixed" else f"{sched}/{layout}"
+            out[name] = System(name, engines[sched], runners[sched], layout)
+    return out
+
+
+def interleaved(harness, level, run_one, batches, passes, systems: dict[str, System]):
+    """run_one(system, batch) -> tokens; one warm-up pass + ``passes`` measured passes, every batch of prompts once
+    per pass for each system (order alternating).  Returns {name: [tok/s of each measured pass]} and
+    {name: (tokens, seconds)} over all measured passes."""
+    state = {"measuring": False}
+    cases = {n: (lambda rep, s=s: {"tokens": s.call(lambda: run_one(s, batches[rep % len(batches)]),
+                                                     state["measuring"])})
+             for n, s in systems.items()}
+    smp = harness.interleave(cases, passes * len(batches), warmup=len(batches), label=level,
+                             after_warmup=lambda: state.update(measuring=True))
+    per_pass = {}
+    for n in systems:
+        toks, walls = smp.values(n, "tokens"), smp.values(n, "wall_s")
+        nb = len(batches)
+        per_pass[n] = [sum(toks[i:i + nb]) / sum(walls[i:i + nb]) for i in range(0, len(toks), nb)]
+    return per_pass, {n: (smp.total(n, "tokens"), smp.total(n, "wall_s")) for n in systems}
+
+
+def round_kinds(shapes: list[tuple]) -> dict[str, dict]:
+    """shape_log entries -> {kind: {rounds, target_ms median / min / max, rows median}} for the kinds decode (no
+    prompt in the round), mixed (prompts beside decode rows), prefill (prompts only)."""
+    kinds: dict[str, list] = {"decode": [], "mixed": [], "prefill": []}
+    for rows, prefill, _max_new, _new, _draft_s, target_s, _round_s in shapes:
+        kind = "decode" if prefill == 0 else ("prefill" if prefill == rows else "mixed")
+        kinds[kind].append((target_s * 1e3, rows))
+    out = {}
+    for k, v in kinds.items():
+        if v:
+            ms = [m for m, _ in v]
+            out[k] = {"rounds": len(v), "target_ms_median": round(statistics.median(ms), 1),
+                      "target_ms_min": round(min(ms), 1), "target_ms_max": round(max(ms), 1),
+                      "rows_median": statistics.median(r for _, r in v)}
+    return out
+
+
+def report(harness, level, systems: dict[str, System], per_pass, tot) -> dict:
     rate = {n: k / sec for n, (k, sec) in tot.items()}
-    for n in tot:
-        print(f"[{level}] {n:9s} {rate[n]:6.2f} tok/s  timers {timers[n]}")
-    ratio = rate["hardware"] / rate["none"]
-    print(f"[{level}] load-aware / no-spec: {ratio:.3f}", flush=True)
-    harness.table(f"{level}: tokens/s over the measured passes",
-                  ["system", "tokens", "seconds", "tok/s", "/ none"],
-                  [[n, f"{k:.0f}", f"{sec:.2f}", f"{rate[n]:.2f}", f"{rate[n] / rate['none']:.3f}"]
-                   for n, (k, sec) in tot.items()])
-    return {"tok_s": rate, "load_aware_over_no_spec": ratio, "timers": timers}
+    med = {n: statistics.median(v) for n, v in per_pass.items()}
+    timers = {n: {k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.timers.items()}
+              for n, s in systems.items()}
+    for n in systems:
+        print(f"[{level}] {n:16s} {rate[n]:7.2f} tok/s  timers {timers[n]}")
+    ratios = {}
+    for n in systems:
+        if n.startswith("hardware"):
+            base = n.replace("hardware", "none", 1)
+            ratios[f"{n} / {base}"] = med[n] / med[base]
+        if n.endswith("/padded"):
+            mixed = n[:-len("/padded")]
+            ratios[f"{mixed} / {n}"] = med[mixed] / med[n]
+    for k, v in ratios.items():
+        print(f"[{level}] {k}: {v:.3f} (medians of the passes)", flush=True)
+    harness.table(f"{level}: tokens/s, each measured pass and their median",
+                  ["system", "tokens", "seconds", "tok/s (all)", "per pass", "median", "/ none"],
+                  [[n, f"{k:.0f}", f"{sec:.2f}", f"{rate[n]:.2f}", " / ".join(f"{x:.1f}" for x in per_pass[n]),
+                    f"{med[n]:.2f}", f"{med[n] / med['none']:.3f}"] for n, (k, sec) in tot.items()])
+    kinds = {n: round_kinds(s.shapes) for n, s in systems.items()}
+    harness.table(f"{level}: target forward per kind of round (ms: median, min-max)",
+                  ["system", "kind", "rounds", "median rows", "target ms", "min - max"],
+                  [[n, k, v["rounds"], f"{v['rows_median']:g}", f"{v['target_ms_median']:.1f}",
+                    f"{v['target_ms_min']:.0f} - {v['target_ms_max']:.0f}"]
+                   for n, ks in kinds.items() for k, v in ks.items()])
+    return {"tok_s": rate, "tok_s_per_pass": per_pass, "tok_s_median": med,
+            "load_aware_over_no_spec": med["hardware"] / med["none"], "ratios": ratios, "timers": timers,
+            "round_kinds": kinds}
 
 
 def run(args, harness) -> dict:
-    if args.batch < 1 or args.passes < 1:
-        raise SystemExit(f"--batch and --passes must be >= 1, got {args.batch}, {args.passes}")
+    if args.batch < 1 or args.passes < 1 or args.requests_per_stream < 1:
+        raise SystemExit(f"--batch, --passes and --requests-per-stream must be >= 1, got {args.batch}, "
+                         f"{args.passes}, {args.requests_per_stream}")
+    if args.stream_interval < 1:
+        raise SystemExit(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    if args.requests_per_stream > 1 and args.level != ["replica"]:
+        raise SystemExit("--requests-per-stream needs --level replica (the engine level runs closed batches)")
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
     target = str(resolve_target(args.target))
     tok = AutoTokenizer.from_pretrained(target)
     prompts = [chat_prompt_ids(tok, p) for p in load_prompts(args)]
-    # one unit of work = --batch prompts at once (cycling through the list); --batch 1: one prompt per unit
-    batches = [[prompts[(i + j) % len(prompts)] for j in range(args.batch)] for i in range(0, len(prompts), args.batch)]
+    if args.drafter is None:
+        args.drafter = random_drafter(target, harness.out_dir / "random_drafter")
+    # one unit of work = --batch x --requests-per-stream prompts (cycling through the list); --batch 1: one prompt
+    per_unit = args.batch * args.requests_per_stream
+    batches = [[prompts[(i + j) % len(prompts)] for j in range(per_unit)] for i in range(0, len(prompts), per_unit)]
     result = {}
 
     if "engine" in args.level:
         from serve_app.replica import ReplicaOptions, load_or_profile_cost_table, make_load_aware_scheduler
 
-        runner = TargetRunner.from_pretrained(target, dtype="float32", device="cpu", max_seq_len=2048)
+        runner = TargetRunner.from_pretrained(target, dtype=args.dtype, device="cpu", max_seq_len=2048)
         eos = set(runner.config.eos_token_ids) | set(end_of_turn_ids(tok))
-        d = load_drafter(args.drafter, target, dtype=runner.dtype, device=runner.device)
-        cost, _, _ = load_or_profile_cost_table(runner, ReplicaOptions(target=target, drafter=args.drafter),
-                                                d.cfg.block_size + 1)
+        d = load_drafter(args.drafter, target, dtype=resolve_drafter_dtype("auto", args.dtype, "cpu"),
+                         device=runner.device)
+        cost, _, _ = load_or_profile_cost_table(
+            runner, ReplicaOptions(target=target, drafter=args.drafter, dtype=args.dtype, threads=args.threads),
+            d.cfg.block_size + 1)
         spec = SpecConfig(method=d.cfg.kind, scheduler=make_load_aware_scheduler("hardware", cost))
         engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos),
                    "hardware": SpeculativeEngine(runner, d, spec, tokenizer=tok, eos_token_ids=eos)}
-
-        def run_one(n, batch):
-            outs = engines[n].generate(batch, SamplingParams(temperature=0.0), max_tokens=args.max_tokens)
+        systems = make_systems(engines, {"none": runner, "hardware": runner}, args.layouts)
+        def run_one(s, batch):
+            outs = s.engine.generate(batch, SamplingParams(temperature=0.0), max_tokens=args.max_tokens,
+                                     ignore_eos=args.ignore_eos)
             return sum(len(o.output_ids) for o in outs)
 
-        result["engine"] = report(harness, "engine", *interleaved(harness, "engine", run_one, batches, args.passes,
-                                                                  engines))
+        result["engine"] = report(harness, "engine", systems,
+                                  *interleaved(harness, "engine", run_one, batches, args.passes, systems))
 
     if "replica" in args.level:
         from serve_app.replica import EngineReplica
 
         mb = max(8, args.batch)  # the replica's default max_batch, or room for all the streams
-        reps = {"none": EngineReplica(dict(target=target, scheduler="none", threads=args.threads, max_batch=mb)),
-                "hardware": EngineReplica(dict(target=target, drafter=args.drafter, scheduler="hardware", max_batch=mb,
-                                               threads=args.threads))}
+        common = dict(target=target, threads=args.threads, max_batch=mb, dtype=args.dtype,
+                      stream_interval=args.stream_interval)
+        reps = {"none": EngineReplica(dict(common, scheduler="none")),
+                "hardware": EngineReplica(dict(common, drafter=args.drafter, scheduler="hardware"))}
+        systems = make_systems({n: r.engine for n, r in reps.items()}, {n: r.runner for n, r in reps.items()},
+                               args.layouts)
         loop = asyncio.new_event_loop()
 
-        async def one(n, ids):
+        async def one(rep, ids):
             k = 0
-            async for ev in reps[n].generate(dict(prompt_ids=ids, max_tokens=args.max_tokens, temperature=0.0)):
+            req = dict(prompt_ids=ids, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.ignore_eos)
+            async for ev in rep.generate(req):
                 k += len(ev.get("token_ids", []))
             return k
 
-        async def streams(n, batch):
-            return sum(await asyncio.gather(*(one(n, ids) for ids in batch)))
+        async def stream(rep, queue):  # a closed-loop client: the next request when the last one finished
+            k = 0
+            while queue:
+                k += await one(rep, queue.pop(0))
+            return k
 
-        result["replica"] = report(harness, "replica", *interleaved(
-            harness, "replica", lambda n, batch: loop.run_until_complete(streams(n, batch)), batches, args.passes,
-            {n: r.engine for n, r in reps.items()}))
+        async def streams(s, batch):
+            rep = reps[s.name.split("/")[0]]
+            queues = [batch[i::args.batch] for i in range(args.batch)]
+            return sum(await asyncio.gather(*(stream(rep, q) for q in queues)))
+
+        result["replica"] = report(harness, "replica", systems, *interleaved(
+            harness, "replica", lambda s, batch: loop.run_until_complete(streams(s, batch)), batches, args.passes,
+            systems))
     return result

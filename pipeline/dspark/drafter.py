@@ -496,13 +496,16 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"propose: {len(params)} SamplingParams for {B} requests")
         greedy = all(p.greedy for p in params) if per_row else params.greedy
         hstate = head.init_state(B, dev, h.dtype)
+        # greedy drafting: q_k is the one-hot of the argmax (probs_from_logits), built for the whole block at the end
+        one_hot_q = greedy and forced_tokens is None
         prev = anchors
         prevs, toks, idxs, qs, gs = [], [], [], [], []
         for k in range(self.cfg.block_size):
             bias, hstate = head.step(prev, h[:, k], hstate)
             g = U[:, k] if bias is None else U[:, k] + bias.float()  # [B,V_d] fp32
-            q = (probs_from_logits(g, params) if not per_row else
-                 torch.stack([probs_from_logits(g[b], params[b]) for b in range(B)]))
+            if not one_hot_q:
+                qs.append(probs_from_logits(g, params) if not per_row else
+                          torch.stack([probs_from_logits(g[b], params[b]) for b in range(B)]))
             if forced_tokens is not None:
                 tok = forced_tokens[:, k].to(dev).long()
                 idx = self.t2d[tok]
@@ -512,16 +515,20 @@ class DSparkDrafter(nn.Module):
                 idx = g.argmax(-1)
                 tok = self.draft_ids[idx]
             else:
-                idx = _sample(q, generator)
+                idx = _sample(qs[-1], generator)
                 tok = self.draft_ids[idx]
             prevs.append(prev)
             toks.append(tok)
             idxs.append(idx)
-            qs.append(q)
             gs.append(g)
             prev = tok
-        return (torch.stack(prevs, 1), torch.stack(toks, 1), torch.stack(idxs, 1), torch.stack(qs, 1),
-                torch.stack(gs, 1))
+        idx_all = torch.stack(idxs, 1)  # [B,γ]
+        gs = torch.stack(gs, 1)  # [B,γ,V_d]
+        if one_hot_q:  # ties: the lowest index, as torch.argmax and probs_from_logits
+            q_all = torch.zeros_like(gs).scatter_(-1, idx_all[..., None], 1.0)
+        else:
+            q_all = torch.stack(qs, 1)
+        return torch.stack(prevs, 1), torch.stack(toks, 1), idx_all, q_all, gs
 
 
 def _sample(q: torch.Tensor, generator) -> torch.Tensor:

@@ -29,6 +29,11 @@ Two paths over the same parameters:
     (DeepSpec's `compute_step_bias` restarts from zero -- docs/dspark.md §10.11 -- which is wrong).
 
 `NoHead` (markov_rank = 0) is the DFlash baseline: `bias`/`step` return None.
+
+The vanilla head's step bias depends on the previous token alone, so on CPU its inference step keeps the biases of
+recently seen tokens (`BiasCache`): a hit reads one [V_d] row instead of streaming all of W2 (V_d x r) per step,
+which is most of the sequential loop's time.  The cache follows the weights (any in-place update or new tensor
+empties it) and is never used while autograd records (training).
 """
 from __future__ import annotations
 
@@ -57,6 +62,56 @@ class _RowGatherIntoGrad(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         ctx.head._add_w1_grad(idx, grad_out)
         return None, None, None
+
+
+class BiasCache:
+    """Token -> bias row W2 z(token) for heads whose step bias depends on the previous token only (vanilla), least
+    recently used rows evicted first.  ``capacity_bytes`` bounds the row buffer (rows = capacity_bytes / (V_d x
+    itemsize), at least 64).  A row is the same computation as the uncached step (`project(prev_embed(t))`), done
+    once per token in whatever batch first missed it; only the draft proposal depends on it, never what the target
+    verifies."""
+
+    def __init__(self, capacity_bytes: int = 64 << 20):
+        self.capacity_bytes = int(capacity_bytes)
+        self.key = None
+        self.hits = self.misses = 0
+
+    def _reset(self, head, key, vocab: int, width: int, dtype, device) -> None:
+        rows = max(64, self.capacity_bytes // max(1, width * torch.empty((), dtype=dtype).element_size()))
+        with torch.inference_mode(False):  # plain tensors: updated in place under inference_mode and no_grad alike
+            self.slot_of = torch.full((vocab,), -1, dtype=torch.long, device=device)  # token -> row, -1 absent
+            self.token_of = torch.full((rows,), -1, dtype=torch.long, device=device)  # row -> token
+            self.last_used = torch.zeros(rows, dtype=torch.long, device=device)  # row -> tick of its last use
+            self.rows = torch.empty(rows, width, dtype=dtype, device=device)
+        self.tick, self.key = 1, key
+
+    def bias(self, head: "VanillaMarkovHead", prev: torch.Tensor) -> torch.Tensor:
+        """prev [B] target ids -> bias [B, V_d] (the head's projection dtype)."""
+        key = tuple((id(p), p._version, p.dtype, p.device) for p in head.parameters())
+        if self.key != key:
+            w2 = head.markov_w2.weight
+            self._reset(head, key, head.markov_w1.weight.shape[0], w2.shape[0], w2.dtype, w2.device)
+        slots = self.slot_of[prev]
+        miss = slots < 0
+        self.last_used[slots[~miss]] = self.tick
+        if bool(miss.any()):
+            new = prev[miss].unique()
+            free = int((self.last_used < self.tick).sum())
+            if new.numel() > free:  # more new tokens than rows not used by this batch: no caching this step
+                self.misses += prev.numel()
+                return head.project(head.prev_embed(prev))
+            victims = torch.topk(self.last_used, new.numel(), largest=False).indices
+            old = self.token_of[victims]
+            self.slot_of[old[old >= 0]] = -1
+            self.rows[victims] = head.project(head.prev_embed(new)).to(self.rows.dtype)
+            self.token_of[victims] = new
+            self.slot_of[new] = victims
+            self.last_used[victims] = self.tick
+            slots = self.slot_of[prev]
+            self.misses += int(miss.sum())
+        self.hits += prev.numel() - int(miss.sum())
+        self.tick += 1
+        return self.rows[slots]
 
 
 class NoHead(nn.Module):
@@ -89,6 +144,7 @@ class NoHead(nn.Module):
 
 class VanillaMarkovHead(nn.Module):
     head_type = "vanilla"
+    step_bias_depends_on_prev_only = True
 
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int,
                  target_embed: nn.Embedding | None = None):
@@ -102,6 +158,9 @@ class VanillaMarkovHead(nn.Module):
         # W1 source "embedding" (module docstring): the drafter's frozen target embedding, held in a tuple so it
         # is not registered (and saved) twice; markov_w1 becomes the zero-initialised residual table R
         self._target_embed = (target_embed,) if target_embed is not None else None
+        # inference-step bias rows by previous token (CPU only; None = off); GatedMarkovHead / RNNMarkovHead mix in
+        # h_k, so they never cache
+        self.bias_cache: BiasCache | None = BiasCache() if self.step_bias_depends_on_prev_only else None
         if target_embed is not None:
             self.markov_w1_proj = nn.Linear(hidden_size, rank, bias=False)  # P [r, d]
             nn.init.normal_(self.markov_w1_proj.weight, std=hidden_size ** -0.5)  # unit-variance latents, as W1's
@@ -172,12 +231,15 @@ class VanillaMarkovHead(nn.Module):
 
     def step(self, prev: torch.Tensor, h_k: torch.Tensor, state):
         """prev [B] target ids, h_k [B, d] -> (bias [B, V_d], new state)."""
+        if self.bias_cache is not None and prev.device.type == "cpu" and not torch.is_grad_enabled():
+            return self.bias_cache.bias(self, prev), state
         z, state = self._latent_step(self.prev_embed(prev), h_k, state)
         return self.project(z), state
 
 
 class GatedMarkovHead(VanillaMarkovHead):
     head_type = "gated"
+    step_bias_depends_on_prev_only = False
 
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, target_embed=None):
         super().__init__(vocab_size, draft_vocab_size, rank, hidden_size, target_embed)
@@ -193,6 +255,7 @@ class GatedMarkovHead(VanillaMarkovHead):
 
 class RNNMarkovHead(VanillaMarkovHead):
     head_type = "rnn"
+    step_bias_depends_on_prev_only = False
 
     def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, hidden_size: int, target_embed=None):
         super().__init__(vocab_size, draft_vocab_size, rank, hidden_size, target_embed)
