@@ -404,6 +404,18 @@ class EngineReplica:
             exc = self._task.exception()
             raise RuntimeError(f"engine loop died: {exc!r}")
 
+    async def aclose(self) -> None:
+        """Stop the engine loop and its executor (a replica driven outside Serve, e.g. by a benchmark, before its
+        event loop closes)."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
     def __del__(self):
         try:
             if self._task is not None:

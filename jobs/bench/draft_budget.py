@@ -130,7 +130,7 @@ def run(args, harness) -> dict:
           f"V_d {c.draft_vocab_size}, block {c.block_size}, {str(drafter.fc.weight.dtype)[6:]}; {args.reps} "
           "interleaved repetitions")
     for k in cases:
-        print(f"  {k:15s} median {med[k]:7.2f} ms  (min {spread[k][0]:.2f}, max {spread[k][1]:.2f})")
+        print(f"  {k:22s} median {med[k]:7.2f} ms  (min {spread[k][0]:.2f}, max {spread[k][1]:.2f})")
     round_share = med["propose"] / med["target step"]
     with_update = (med["propose"] + med["extend_context"]) / med["target step"]
     print(f"drafting round / target step: {round_share:.1%}   (+ context update: {with_update:.1%}; budget 25%)")

@@ -255,7 +255,12 @@ def run(args, harness) -> dict:
             queues = [batch[i::args.batch] for i in range(args.batch)]
             return sum(await asyncio.gather(*(stream(rep, q) for q in queues)))
 
-        result["replica"] = report(harness, "replica", systems, *interleaved(
-            harness, "replica", lambda s, batch: loop.run_until_complete(streams(s, batch)), batches, args.passes,
-            systems))
+        try:
+            result["replica"] = report(harness, "replica", systems, *interleaved(
+                harness, "replica", lambda s, batch: loop.run_until_complete(streams(s, batch)), batches,
+                args.passes, systems))
+        finally:
+            for r in reps.values():
+                loop.run_until_complete(r.aclose())
+            loop.close()
     return result
