@@ -10,17 +10,21 @@ round-robin); a client disconnect aborts the engine request; /metrics; the vLLM 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GAMMA = 3
 PROMPTS = ["What is 3 + 4?", "Name a colour.", "Say hello.", "Write a haiku about the sea.",
@@ -496,3 +500,22 @@ def test_stream_interval_coalesces_events(target_dir, reference):
     from serve_app.replica import ReplicaOptions
     with pytest.raises(ValueError, match="stream_interval"):
         ReplicaOptions(target=str(target_dir), stream_interval=0)
+
+
+def test_engine_thread_gets_the_replicas_thread_count():
+    """Ray starts a replica with OMP_NUM_THREADS = its CPU reservation (1); the engine's own thread must still run
+    OpenMP (and MKL) with the replica's thread count from its first operation on."""
+    probe = ("import ctypes, glob, os, torch\n"
+             "from serve_app.replica import engine_executor\n"
+             "libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), 'lib', 'libgomp*'))\n"
+             "if not libs: print('no-libgomp'); raise SystemExit\n"
+             "omp = ctypes.CDLL(libs[0]).omp_get_max_threads\n"
+             "from concurrent.futures import ThreadPoolExecutor\n"
+             "print(ThreadPoolExecutor(1).submit(omp).result(), engine_executor(3).submit(omp).result())\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.strip() == "no-libgomp":
+        pytest.skip("this torch build has no bundled libgomp")
+    assert out.stdout.split() == ["1", "3"]  # a plain new thread: 1; the engine's thread: the replica's count
