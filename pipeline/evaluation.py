@@ -252,10 +252,10 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
     scheduler_of = {}
     drafter_dtype = resolve_drafter_dtype(cfg.drafter_dtype, cfg.spec_dtype, device)
     loaded = {}
-    unknown = [x for x in cfg.no_bias_cache if x not in [label for label, _ in drafters]]
+    labels = [label for label, _ in drafters]
+    unknown = [x for x in cfg.no_bias_cache if x not in labels]
     if unknown:
-        raise ValueError(f"--no-bias-cache: {', '.join(unknown)} is not a --drafter label "
-                         f"({', '.join(label for label, _ in drafters)})")
+        raise ValueError(f"--no-bias-cache: {', '.join(unknown)} is not a --drafter label ({', '.join(labels)})")
     for label, path in drafters:
         d = loaded[label] = load_drafter(path, str(target), dtype=drafter_dtype, device=device)
         if label in cfg.no_bias_cache:

@@ -80,6 +80,7 @@ class System:
     """One measured configuration: a scheduler on an engine, with a prefill layout."""
 
     name: str
+    scheduler: str  # 'none' | 'hardware'
     engine: SpeculativeEngine
     runner: TargetRunner
     layout: str
@@ -111,7 +112,7 @@ def make_systems(engines: dict, runners: dict, layouts: list[str]) -> dict[str, 
     for layout in layouts:
         for sched in SCHEDULERS:
             name = sched if layout == "mixed" else f"{sched}/{layout}"
-            out[name] = System(name, engines[sched], runners[sched], layout)
+            out[name] = System(name, sched, engines[sched], runners[sched], layout)
     return out
 
 
@@ -137,7 +138,7 @@ def round_kinds(shapes: list[tuple]) -> dict[str, dict]:
     """shape_log entries -> {kind: {rounds, target_ms median / min / max, rows median}} for the kinds decode (no
     prompt in the round), mixed (prompts beside decode rows), prefill (prompts only)."""
     kinds: dict[str, list] = {"decode": [], "mixed": [], "prefill": []}
-    for rows, prefill, _max_new, _new, _draft_s, target_s, _round_s in shapes:
+    for rows, prefill, target_s in shapes:
         kind = "decode" if prefill == 0 else ("prefill" if prefill == rows else "mixed")
         kinds[kind].append((target_s * 1e3, rows))
     out = {}
@@ -217,6 +218,7 @@ def run(args, harness) -> dict:
         engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos),
                    "hardware": SpeculativeEngine(runner, d, spec, tokenizer=tok, eos_token_ids=eos)}
         systems = make_systems(engines, {"none": runner, "hardware": runner}, args.layouts)
+
         def run_one(s, batch):
             outs = s.engine.generate(batch, SamplingParams(temperature=0.0), max_tokens=args.max_tokens,
                                      ignore_eos=args.ignore_eos)
@@ -251,7 +253,7 @@ def run(args, harness) -> dict:
             return k
 
         async def streams(s, batch):
-            rep = reps[s.name.split("/")[0]]
+            rep = reps[s.scheduler]
             queues = [batch[i::args.batch] for i in range(args.batch)]
             return sum(await asyncio.gather(*(stream(rep, q) for q in queues)))
 

@@ -76,7 +76,7 @@ class BiasCache:
         self.key = None
         self.hits = self.misses = 0
 
-    def _reset(self, head, key, vocab: int, width: int, dtype, device) -> None:
+    def _reset(self, key, vocab: int, width: int, dtype, device) -> None:
         rows = max(64, self.capacity_bytes // max(1, width * torch.empty((), dtype=dtype).element_size()))
         with torch.inference_mode(False):  # plain tensors: updated in place under inference_mode and no_grad alike
             self.slot_of = torch.full((vocab,), -1, dtype=torch.long, device=device)  # token -> row, -1 absent
@@ -90,11 +90,12 @@ class BiasCache:
         key = tuple((id(p), p._version, p.dtype, p.device) for p in head.parameters())
         if self.key != key:
             w2 = head.markov_w2.weight
-            self._reset(head, key, head.markov_w1.weight.shape[0], w2.shape[0], w2.dtype, w2.device)
+            self._reset(key, head.markov_w1.weight.shape[0], w2.shape[0], w2.dtype, w2.device)
         slots = self.slot_of[prev]
         miss = slots < 0
+        n_miss = int(miss.sum())
         self.last_used[slots[~miss]] = self.tick
-        if bool(miss.any()):
+        if n_miss:
             new = prev[miss].unique()
             free = int((self.last_used < self.tick).sum())
             if new.numel() > free:  # more new tokens than rows not used by this batch: no caching this step
@@ -108,8 +109,8 @@ class BiasCache:
             self.slot_of[new] = victims
             self.last_used[victims] = self.tick
             slots = self.slot_of[prev]
-            self.misses += int(miss.sum())
-        self.hits += prev.numel() - int(miss.sum())
+        self.misses += n_miss
+        self.hits += prev.numel() - n_miss
         self.tick += 1
         return self.rows[slots]
 
