@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pipeline import small_m_linear
 from pipeline.runtime import cpu_has_native_bf16
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the packed layout for; any row count works
@@ -58,19 +59,27 @@ class PackedWeight:
 
     ``flinear_max_rows`` > 0 (with ``use_packed``): keep the plain weight too and run inputs of at most that many rows
     through F.linear, larger ones packed -- on an idle machine here MKL is ~10% faster for 1-2 rows and oneDNN's
-    packed layout 15-30% faster from 4 rows on (README); costs a second copy of the weight."""
+    packed layout 15-30% faster from 4 rows on (README); costs a second copy of the weight.
+    ``kernel_max_rows`` > 0 (with ``use_packed``, where pipeline/small_m_linear.py applies to the weight): inputs of
+    at most that many rows go through that kernel instead (it reads the plain weight, also kept)."""
 
-    __slots__ = ("weight", "bias", "packed", "flinear_max_rows")
+    __slots__ = ("weight", "bias", "packed", "flinear_max_rows", "kernel_max_rows")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_packed: bool, flinear_max_rows: int = 0):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_packed: bool, flinear_max_rows: int = 0,
+                 kernel_max_rows: int = 0):
         self.bias = bias
         self.packed = pack(weight) if use_packed else None
         self.flinear_max_rows = int(flinear_max_rows) if use_packed else 0
-        # without the hybrid rule the packed copy replaces the weight (same values, oneDNN layout)
-        self.weight = weight if not use_packed or self.flinear_max_rows > 0 else None
+        self.kernel_max_rows = int(kernel_max_rows) if use_packed and small_m_linear.usable(weight) else 0
+        # without the hybrid rule or the kernel the packed copy replaces the weight (same values, oneDNN layout)
+        keep = not use_packed or self.flinear_max_rows > 0 or self.kernel_max_rows > 0
+        self.weight = weight.contiguous() if keep else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.numel() > self.flinear_max_rows * x.shape[-1]:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows <= self.kernel_max_rows:
+            return small_m_linear.linear(x, self.weight, self.bias)
+        if self.packed is not None and rows > self.flinear_max_rows:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -98,6 +107,37 @@ def flinear_wins_one_row(d: int, reps: int = 15) -> bool:
                     times[use_packed].append(time.perf_counter() - t0)
         _FLINEAR_WINS_ONE_ROW[d] = statistics.median(times[False]) < statistics.median(times[True])
     return _FLINEAR_WINS_ONE_ROW[d]
+
+
+_KERNEL_WINS: dict = {}  # hidden size -> whether the small-M kernel beat the packed weight (this process)
+
+
+def kernel_wins_few_rows(d: int = 576, rows=(1, 8), reps: int = 15) -> bool:
+    """Whether pipeline/small_m_linear.py's kernel beats the oneDNN-packed layout for an fp32 [4d, d] weight at every
+    row count of ``rows`` on this CPU (False where the kernel is unavailable): measured once per process and hidden
+    size, interleaved, medians.  On a 2-core AVX2 EPYC the whole SmolLM2 forward took 40 ms for 1 token with the
+    kernel against 52 ms packed, 55 against 71 for 8."""
+    if d not in _KERNEL_WINS:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(4 * d, d, generator=g)
+        if not small_m_linear.usable(w):
+            _KERNEL_WINS[d] = False
+            return False
+        pw = PackedWeight(w, None, True, 0)
+        wins = True
+        for r in rows:
+            x = torch.randn(r, d, generator=g)
+            times = {False: [], True: []}
+            for k in range(reps + 1):
+                for use_kernel in ((False, True) if k % 2 == 0 else (True, False)):
+                    t0 = time.perf_counter()
+                    for _ in range(8):
+                        small_m_linear.linear(x, w) if use_kernel else packed_linear(x, pw.packed, None)
+                    if k:
+                        times[use_kernel].append(time.perf_counter() - t0)
+            wins = wins and statistics.median(times[True]) < statistics.median(times[False])
+        _KERNEL_WINS[d] = wins
+    return _KERNEL_WINS[d]
 
 
 def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 16), reps: int = 5) -> dict[str, int]:
@@ -133,7 +173,7 @@ def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 1
             best = r
         for w in ws:
             w.flinear_max_rows = best
-            if best == 0:
+            if best == 0 and not w.kernel_max_rows:
                 w.weight = None
         chosen[name] = best
     return chosen
@@ -141,7 +181,8 @@ def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 1
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) that runs packed at inference on CPU in fp32, and in bf16 where
-    the CPU multiplies bf16 natively (avx512_bf16 / AMX).  Measured on a 2-core AMX Xeon, one greedy drafting round
+    the CPU multiplies bf16 natively (avx512_bf16 / AMX); fp32 inputs of at most ``small_m_linear.MAX_ROWS`` rows
+    (a drafting block) go through pipeline/small_m_linear.py's kernel where it beats the packed layout on this CPU.  Measured on a 2-core AMX Xeon, one greedy drafting round
     of the recipe's drafter (1 layer, V_d 10,688, γ = 7) at a 300-token context: 6.55 ms fp32 packed, 5.71 ms bf16
     with F.linear, 4.50 ms bf16 packed (interleaved, medians of 30).
 
@@ -159,6 +200,9 @@ class Linear(nn.Linear):
         if (torch.is_grad_enabled() or w.device.type != "cpu" or w.dtype not in _PACKED_DTYPES or x.dtype != w.dtype
                 or not _AVAILABLE):
             return F.linear(x, w, self.bias)
+        if (x.numel() <= small_m_linear.MAX_ROWS * x.shape[-1] and w.dtype == torch.float32
+                and small_m_linear.usable(w) and kernel_wins_few_rows()):
+            return small_m_linear.linear(x, w, self.bias)  # reads the weight itself: nothing to re-pack
         key = (w.data_ptr(), w._version)
         if self._packed_key != key:
             self._packed, self._packed_key = pack(w), key

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import packed_linear as pl
+from pipeline import small_m_linear as sm
 from pipeline.hugepages import arena_copy
 from pipeline.layers import apply_rope, rms_norm
 from pipeline.runtime import cpu_has_native_bf16
@@ -56,8 +57,9 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 # CPU linear back ends of fp32 weights: packed (oneDNN layout), mkl (F.linear), hybrid (F.linear for inputs of at
 # most HYBRID_FLINEAR_ROWS rows, packed above; both copies kept), tuned (hybrid with the row threshold of each weight
-# shape timed on this machine when the runner is built: packed_linear.tune_flinear_rows)
-LINEAR_BACKENDS = ("packed", "mkl", "hybrid", "tuned")
+# shape timed on this machine when the runner is built: packed_linear.tune_flinear_rows), smallm (the AVX2 kernel
+# of pipeline/small_m_linear.py for inputs of at most small_m_linear.MAX_ROWS rows, packed above; both copies kept)
+LINEAR_BACKENDS = ("packed", "mkl", "hybrid", "tuned", "smallm")
 HYBRID_FLINEAR_ROWS = 2
 
 
@@ -277,17 +279,24 @@ class TargetRunner:
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
 
         can_pack = self.device.type == "cpu" and pl.available()
-        if backend in ("packed", "hybrid", "tuned") and not can_pack:
+        if backend in ("packed", "hybrid", "tuned", "smallm") and not can_pack:
             raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
-        # automatic on CPU: hybrid where MKL's F.linear beats the packed layout at 1 row (an AVX2 EPYC: hybrid was
-        # the fastest for 1 row AND for verification batches), packed where it does not (an avx512_bf16 EPYC: MKL's
-        # 1-2 row GEMM is the slow one); measured once per process (packed_linear.flinear_wins_one_row); else F.linear
+        if backend == "smallm" and not sm.available():
+            raise ValueError(f"the 'smallm' linear back end is unavailable here: {sm.unavailable_reason()}")
+        # automatic on CPU, fp32: smallm where the small-M kernel beats the packed layout at 1 and 8 rows (an AVX2
+        # EPYC: 23% off the 1- and the 8-token forward); else hybrid where MKL's F.linear beats the packed layout at
+        # 1 row, packed where it does not (an avx512_bf16 EPYC: MKL's 1-2 row GEMM is the slow one); each measured
+        # once per process (packed_linear.kernel_wins_few_rows, flinear_wins_one_row); bf16: hybrid; else F.linear
         if backend is None and can_pack:
-            one_row_flinear = dt != torch.float32 or pl.flinear_wins_one_row(self.config.hidden_size)
-            backend = "hybrid" if one_row_flinear else "packed"
+            if dt == torch.float32 and pl.kernel_wins_few_rows(self.config.hidden_size):
+                backend = "smallm"
+            else:
+                one_row_flinear = dt != torch.float32 or pl.flinear_wins_one_row(self.config.hidden_size)
+                backend = "hybrid" if one_row_flinear else "packed"
         self.linear_backend = backend or "mkl"
         self.packed_linear = self.linear_backend != "mkl"
         flinear_rows = HYBRID_FLINEAR_ROWS if self.linear_backend in ("hybrid", "tuned") else 0
+        kernel_rows = sm.MAX_ROWS if self.linear_backend == "smallm" and dt == torch.float32 else 0
 
         # bf16 weights are packed only when asked for ("bfloat16:packed") on a CPU with native bf16: measured on a
         # 2-core EPYC with avx512_bf16, an 8-token forward 29.8 ms packed vs 36.4 ms with F.linear (fp32 packed
@@ -300,7 +309,7 @@ class TargetRunner:
 
         def lin(w, b):
             w, b = P(w), P(b)
-            return pl.PackedWeight(w, b, self.packed_linear and w.dtype in packed_dtypes, flinear_rows)
+            return pl.PackedWeight(w, b, self.packed_linear and w.dtype in packed_dtypes, flinear_rows, kernel_rows)
 
         base = hf_model.model if hasattr(hf_model, "model") else hf_model
         self.embed = P(base.embed_tokens.weight)
@@ -326,7 +335,8 @@ class TargetRunner:
         head = hf_model.lm_head.weight if hasattr(hf_model, "lm_head") else base.embed_tokens.weight
         self.head_dtype = torch.float32 if fp32_lm_head else dt
         head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
-        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype in packed_dtypes, flinear_rows)
+        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype in packed_dtypes, flinear_rows,
+                                       kernel_rows)
         self.norm_head = self.norm.to(self.head_dtype)
         # {weight group: F.linear up to this many rows}
         self.flinear_rows = {"all": flinear_rows} if self.linear_backend == "hybrid" else {}

@@ -69,9 +69,11 @@ class ServeConfig:
                                                                "default: the block size)"})
     dtype: str = field(default="auto", metadata={"help": "target / drafter dtype (auto | float32 | bfloat16); auto "
                                                         "= float32 on the native engine, bfloat16 on vLLM; on CPU "
-                                                        "float32 = float32:hybrid (MKL's F.linear for 1-2 rows, "
-                                                        "oneDNN pre-packed weights above) where MKL wins at 1 row, "
-                                                        "else float32:packed; float32:hybrid, float32:packed, "
+                                                        "float32 = float32:smallm (the AVX2 small-M kernel up to 32 "
+                                                        "rows, oneDNN pre-packed weights above) where that kernel "
+                                                        "wins, else float32:hybrid (MKL's F.linear for 1-2 rows) "
+                                                        "where MKL wins at 1 row, else float32:packed; "
+                                                        "float32:smallm, float32:hybrid, float32:packed, "
                                                         "float32:mkl force one of them; bfloat16:packed packs "
                                                         "bf16 weights (CPUs with native bf16)"})
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})

@@ -528,7 +528,7 @@ def test_packed_linear_follows_weight_updates_and_matches_nn_linear():
     lin = packed_linear.Linear(24, 40)
     ref = torch.nn.Linear(24, 40)
     ref.load_state_dict(lin.state_dict())  # same parameter names and shapes as nn.Linear
-    x = torch.randn(3, 5, 24)
+    x = torch.randn(3, 12, 24)  # more rows than the small-M kernel takes (tests/test_small_m_linear.py): packed
     torch.testing.assert_close(lin(x), ref(x), rtol=0, atol=0)  # autograd on: exactly F.linear
     with torch.no_grad():
         y = lin(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import packed_linear
+from pipeline import packed_linear, small_m_linear
 from pipeline.hugepages import HUGE_PAGE, arena_copy, huge_page_fraction, thp_mode
 from pipeline.target_runner import TargetRunner
 from toy_drafter import one_thread
@@ -33,14 +33,16 @@ def _model(kind, dtype=torch.float32):
     return m.to(dtype).eval()
 
 
-@pytest.mark.parametrize("backend", ["mkl", "packed", "hybrid", "tuned"])
+@pytest.mark.parametrize("backend", ["mkl", "packed", "hybrid", "tuned", "smallm"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_parity_with_transformers_fp32(kind, backend):
     """Every linear back end (MKL F.linear, oneDNN pre-packed weights, F.linear for <= 2 rows and packed above,
-    per-shape thresholds timed at build) matches transformers; qwen2 covers biases."""
+    per-shape thresholds timed at build, the small-M kernel) matches transformers; qwen2 covers biases."""
     packed = backend != "mkl"
     if packed and not packed_linear.available():
         pytest.skip("this PyTorch build has no oneDNN packed linear")
+    if backend == "smallm" and not small_m_linear.available():
+        pytest.skip(f"no small-M kernel here: {small_m_linear.unavailable_reason()}")
     m = _model(kind)
     L = CFG["num_hidden_layers"]
     ids = torch.randint(0, CFG["vocab_size"], (1, 19), generator=torch.Generator().manual_seed(0))
@@ -61,6 +63,10 @@ def test_parity_with_transformers_fp32(kind, backend):
             assert r.flinear_rows[name] in (0, 1, 2, 4, 8, 16)
             for w in ws:
                 assert w.flinear_max_rows == r.flinear_rows[name] and (w.weight is not None) == (w.flinear_max_rows > 0)
+    elif backend == "smallm":  # every weight whose input width is a multiple of 8 runs <= 32 rows in the kernel
+        for w in r.linear_weights():
+            assert w.kernel_max_rows == (small_m_linear.MAX_ROWS if w.weight.shape[1] % 8 == 0 else 0)
+        assert any(w.kernel_max_rows for w in r.linear_weights())
     else:
         assert (r.lm_head.weight is not None) == (backend != "packed")  # hybrid keeps both copies
     s = r.alloc()

@@ -40,7 +40,8 @@ def add_drafter_arguments(ap) -> None:
     ap.add_argument("--draft-vocab", type=int, default=2496, help="draft vocabulary of the random drafter")
     ap.add_argument("--target", default=None, help="HF folder (default: the prepared SmolLM2 target)")
     ap.add_argument("--dtype", default="float32", help="target precision, as jobs.evaluate --spec-dtype (float32: "
-                    "automatic CPU back end; float32:hybrid, float32:packed, float32:mkl, bfloat16, bfloat16:packed)")
+                    "automatic CPU back end; float32:smallm, float32:hybrid, float32:packed, float32:mkl, bfloat16, "
+                    "bfloat16:packed)")
     ap.add_argument("--drafter-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="drafter precision (auto: bfloat16 with a bfloat16 --dtype on a CPU with native bf16, as "
                          "jobs.evaluate --drafter-dtype auto)")
