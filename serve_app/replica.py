@@ -139,7 +139,9 @@ def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: i
     raise ValueError(f"no load-aware scheduler {kind!r}")
 
 
-def cost_table_key(opts: ReplicaOptions, max_tokens_per_request: int) -> str:
+def cost_table_key(opts: ReplicaOptions, max_tokens_per_request: int, linear_backend: str | None = None) -> str:
+    """The SPS cache key: everything the cost curve depends on, the runner's CPU linear back end included (an
+    automatic ``float32`` picks one per machine)."""
     tgt = Path(opts.target)
     cfg = tgt / "config.json"
     ident = {
@@ -148,7 +150,9 @@ def cost_table_key(opts: ReplicaOptions, max_tokens_per_request: int) -> str:
         "batch_sizes": [int(b) for b in opts.profile_batch_sizes], "context_len": opts.profile_context_len,
         "repeats": opts.profile_repeats, "max_tokens_per_request": max_tokens_per_request,
         "torch": torch.__version__, "cpus": os.cpu_count(),
-        "v": 3,  # v2: interleaved sweeps; v3: oneDNN pre-packed fp32 linears by default (a different cost curve)
+        "v": 4,  # v2: interleaved sweeps; v3: oneDNN pre-packed fp32 linears by default (a different cost curve);
+        # v4: the linear back end in the key
+        "linear_backend": linear_backend,
     }
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -176,7 +180,7 @@ def load_or_profile_cost_table(runner, opts: ReplicaOptions, max_tokens_per_requ
     the replica actually sees.)  Returns (CostTable, path, profiled: bool)."""
     cache = Path(opts.cache_dir) if opts.cache_dir else work_dir() / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    key = cost_table_key(opts, max_tokens_per_request)
+    key = cost_table_key(opts, max_tokens_per_request, getattr(runner, "linear_backend", None))
     path = cache / f"sps-{key}.json"
     with open(cache / f"sps-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one profiler at a time on this machine

@@ -69,10 +69,11 @@ def test_implausible_profiles_are_measured_again(tmp_path):
     tiny_llama().save_pretrained(target)
     opts = ReplicaOptions(target=str(target), cache_dir=str(tmp_path / "cache"), profile_batch_sizes=[1, 2, 4],
                           profile_context_len=8, profile_repeats=1)
-    path = tmp_path / "cache" / f"sps-{cost_table_key(opts, 4)}.json"
+    runner = TargetRunner.from_pretrained(str(target), "float32", device="cpu")
+    path = tmp_path / "cache" / f"sps-{cost_table_key(opts, 4, runner.linear_backend)}.json"
+    assert cost_table_key(opts, 4, "packed") != cost_table_key(opts, 4, "smallm")  # each back end its own curve
     path.parent.mkdir()
     bad.save(path)
-    runner = TargetRunner.from_pretrained(str(target), "float32", device="cpu")
     table, got_path, profiled = load_or_profile_cost_table(runner, opts, 4)
     assert profiled and got_path == path and [b for b, _ in table.points] == [1, 2, 4]
     assert CostTable.load(path).points == table.points and "inversion" in table.meta
