@@ -76,7 +76,7 @@ class EvalConfig:
     baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:packed", "float32:mkl",
                                                                 "bfloat16"], metadata={
         "help": "target precisions of the no-speculation baseline (the fastest is the reference); on CPU float32 "
-                "= automatic (float32:smallm - the AVX2 small-M kernel up to 32 rows, oneDNN pre-packed weights "
+                "= automatic (float32:smallm - the AVX2 small-M kernel up to 24 rows, oneDNN pre-packed weights "
                 "above - where that kernel wins at 1 and 8 rows, else float32:hybrid - F.linear for 1-2 rows - "
                 "where MKL wins at 1 row, else float32:packed), float32:smallm / float32:hybrid / float32:packed "
                 "force one, float32:mkl MKL's F.linear, bfloat16:packed bf16 weights packed (CPUs with native "

@@ -33,7 +33,7 @@ import torch
 from pipeline.runtime import work_dir
 
 SOURCE = Path(__file__).with_name("kernels") / "small_m_linear.cpp"
-MAX_ROWS = 32  # the smallm back end runs inputs of at most this many rows through the kernel, larger ones packed
+MAX_ROWS = 24  # the smallm back end runs inputs of at most this many rows through the kernel, larger ones packed
 
 _module = None
 _reason: str | None = None  # why the kernel is unavailable (None: not tried yet, or available)

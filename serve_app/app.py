@@ -69,7 +69,7 @@ class ServeConfig:
                                                                "default: the block size)"})
     dtype: str = field(default="auto", metadata={"help": "target / drafter dtype (auto | float32 | bfloat16); auto "
                                                         "= float32 on the native engine, bfloat16 on vLLM; on CPU "
-                                                        "float32 = float32:smallm (the AVX2 small-M kernel up to 32 "
+                                                        "float32 = float32:smallm (the AVX2 small-M kernel up to 24 "
                                                         "rows, oneDNN pre-packed weights above) where that kernel "
                                                         "wins, else float32:hybrid (MKL's F.linear for 1-2 rows) "
                                                         "where MKL wins at 1 row, else float32:packed; "

@@ -63,7 +63,7 @@ def test_parity_with_transformers_fp32(kind, backend):
             assert r.flinear_rows[name] in (0, 1, 2, 4, 8, 16)
             for w in ws:
                 assert w.flinear_max_rows == r.flinear_rows[name] and (w.weight is not None) == (w.flinear_max_rows > 0)
-    elif backend == "smallm":  # every weight whose input width is a multiple of 8 runs <= 32 rows in the kernel
+    elif backend == "smallm":  # every weight whose input width is a multiple of 8 runs <= MAX_ROWS rows in the kernel
         for w in r.linear_weights():
             assert w.kernel_max_rows == (small_m_linear.MAX_ROWS if w.weight.shape[1] % 8 == 0 else 0)
         assert any(w.kernel_max_rows for w in r.linear_weights())

@@ -1,13 +1,15 @@
-"""The CPU linear back ends of the fp32 target (pipeline/packed_linear.py), measured two ways in one run.
+"""The CPU linear back ends of the fp32 target (pipeline/packed_linear.py, pipeline/small_m_linear.py), measured two
+ways in one run.
 
-1. Per weight SHAPE and row count: F.linear (MKL sgemm) vs oneDNN's packed layout, interleaved (A B, B A per
-   repetition) on the same input, cycling through weight copies larger than the caches; medians; ratio packed /
-   F.linear (< 1: packed faster).  The crossover differs by shape (the LM head streams 50x more bytes than q/k/v).
+1. Per weight SHAPE and row count: F.linear (MKL sgemm), oneDNN's packed layout and (where it builds) the small-M
+   AVX2 kernel, interleaved (rotating order per repetition) on the same input, cycling through weight copies larger
+   than the caches; medians; ratios packed / F.linear and kernel / packed (< 1: faster).  The crossover differs by
+   shape (the LM head streams 50x more bytes than q/k/v).
 2. The whole target forward for B new tokens at a 300-token context (TargetRunner.time_forwards) for each back end
    in --backends, the runners taking turns in rotating order each repetition; medians; ratio to the fastest.
 
     python -m jobs.bench linear [--target DIR] [--rows 1,2,4,8,16] [--reps 30]
-        [--backends mkl,packed,hybrid,tuned] [--forward-reps 5] [--arena on|off|both]
+        [--backends mkl,packed,hybrid,tuned,smallm] [--forward-reps 5] [--arena on|off|both]
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline import packed_linear
+from pipeline import packed_linear, small_m_linear
 from pipeline.hugepages import huge_page_fraction
 from pipeline.target_model import resolve_target
 from pipeline.target_runner import TargetRunner
@@ -34,8 +36,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--cache-mb", type=int, default=256,
                     help="distinct weight copies per shape totalling at least this many MB (defeats the caches)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--backends", default="mkl,packed,hybrid,tuned",
-                    help="back ends for the whole-forward comparison ('' = skip it)")
+    ap.add_argument("--backends", default="mkl,packed,hybrid,tuned,smallm",
+                    help="back ends for the whole-forward comparison ('' = skip it; smallm is left out where the "
+                         "kernel is unavailable)")
     ap.add_argument("--forward-reps", type=int, default=5, help="rotations of the whole-forward comparison")
     ap.add_argument("--arena", choices=["on", "off", "both"], default="off",
                     help="target runners with their plain weights in one huge-page block (pipeline/hugepages.py), "
@@ -75,18 +78,25 @@ def run(a, harness) -> dict:
     if not a.skip_shapes:
         out["per_shape_ms"] = per_shape(harness, target, rows, a.reps, a.cache_mb)
     backends = [b for b in a.backends.split(",") if b]
+    if "smallm" in backends and not small_m_linear.available():
+        print(f"smallm left out: {small_m_linear.unavailable_reason()}")
+        backends.remove("smallm")
     if backends:
         out["whole_forward_ms"] = whole_forward(harness, target, rows, backends, a.forward_reps, a.arena)
     return out
 
 
 def per_shape(harness, target: Path, rows: list[int], reps: int, cache_mb: int) -> dict:
-    """{shape: {rows: {"F.linear": ms, "packed": ms, "ratio": packed / F.linear}}} (medians)."""
+    """{shape: {rows: {"F.linear": ms, "packed": ms, "ratio": packed / F.linear[, "kernel": ms, "kernel_ratio":
+    kernel / packed]}}} (medians; the kernel where pipeline/small_m_linear.py is available)."""
     shapes = target_shapes(target)
+    kernel = small_m_linear.available()
     g = torch.Generator().manual_seed(0)
     print(f"per shape: threads {torch.get_num_threads()}, {reps} interleaved reps; ms per call "
-          "(F.linear / packed, ratio)")
-    print(f"{'shape':>22} " + " ".join(f"{r:>22}" for r in rows))
+          + ("(F.linear / packed / kernel, packed÷F.linear, kernel÷packed)" if kernel
+             else "(F.linear / packed, packed÷F.linear)"))
+    width = 34 if kernel else 22
+    print(f"{'shape':>22} " + " ".join(f"{r:>{width}}" for r in rows))
     result = {}
     with torch.inference_mode():
         for name, (o, i) in shapes.items():
@@ -99,11 +109,20 @@ def per_shape(harness, target: Path, rows: list[int], reps: int, cache_mb: int) 
                 cases = {"F.linear": lambda rep: time_calls(F.linear, x, ws),
                          "packed": lambda rep: time_calls(lambda x_, w: packed_linear.packed_linear(x_, w, None),
                                                           x, pws)}
-                s = harness.interleave(cases, reps, warmup=1, label=f"shape {name} rows {r}")
+                if kernel and small_m_linear.usable(ws[0]):
+                    cases["kernel"] = lambda rep: time_calls(small_m_linear.linear, x, ws)
+                s = harness.interleave(cases, reps, warmup=1, order="rotate", label=f"shape {name} rows {r}")
                 m, p = s.median("F.linear", "value") * 1e3, s.median("packed", "value") * 1e3
                 result[name][r] = {"F.linear": m, "packed": p, "ratio": p / m}
-                cells.append(f"{m:6.2f}/{p:6.2f} {p / m:4.2f}x")
-            print(f"{name + ' ' + str((o, i)):>22} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+                cell = f"{m:6.2f}/{p:6.2f}"
+                if "kernel" in cases:
+                    k = s.median("kernel", "value") * 1e3
+                    result[name][r].update(kernel=k, kernel_ratio=k / p)
+                    cell += f"/{k:6.2f} {p / m:4.2f}x {k / p:4.2f}x"
+                else:
+                    cell += f" {p / m:4.2f}x"
+                cells.append(cell)
+            print(f"{name + ' ' + str((o, i)):>22} " + " ".join(f"{c:>{width}}" for c in cells), flush=True)
     return result
 
 
