@@ -59,6 +59,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -277,6 +278,40 @@ class EngineReplica:
             self.replica_id = f"local-{uuid.uuid4().hex[:6]}"
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(opts.target)
+        # Every torch computation of the replica runs on the executor's one thread, the engine's construction (weights,
+        # kernel probes, SPS profile) included.  A second thread that has run an OpenMP parallel region keeps a
+        # worker pool of its own; libgomp, then counting more threads than CPUs, all but stops spinning between
+        # parallel regions, and each of the hundreds of regions of a forward waits for a sleeping worker (a 2-core
+        # EPYC: 55 ms per token with the engine built on another thread, 37 with everything on the engine's).
+        self._executor = engine_executor(int(opts.threads) if opts.threads else torch.get_num_threads())
+        self._executor.submit(self._build_engine).result()
+        self.load_s = time.perf_counter() - t0
+
+        self._live: dict[str, _Live] = {}
+        self._pending: collections.deque[_Live] = collections.deque()
+        self._aborts: set[str] = set()
+        self._wake: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+        self._task: asyncio.Task | None = None
+        # load / stats
+        self._route: dict = {}
+        self._route_ts = 0.0
+        self._cluster_load = 0.0
+        self._tokens_last_round = 0
+        self._emitted_last_round = 0
+        self._step_ema = None
+        self._recent: collections.deque = collections.deque(maxlen=256)  # (t_end, step_s, emitted, B)
+        self._depth_hist = [0] * (self.engine.depth_cap + 1)
+        self._totals = collections.Counter()
+        self._prev_stats: dict[str, tuple] = {}
+        logger.info("engine replica %s ready in %.1fs (speculative=%s, scheduler=%s, gamma=%s, SPS cache %s)",
+                    self.replica_id, self.load_s, opts.speculative, opts.scheduler, self.engine.depth_cap,
+                    self.cost_path)
+
+    def _build_engine(self) -> None:
+        """Target runner, drafter, scheduler (SPS table) and engine, on the engine's thread (see __init__)."""
+        self.built_on_thread = threading.get_ident()
+        opts = self.opts
         self.runner = TargetRunner.from_pretrained(opts.target, dtype=opts.dtype, device=opts.device,
                                                    max_seq_len=opts.max_model_len)
         drafter = None
@@ -305,29 +340,6 @@ class EngineReplica:
         eos = set(self.runner.config.eos_token_ids) | set(end_of_turn_ids(self.tokenizer))
         self.engine = SpeculativeEngine(self.runner, drafter, spec, tokenizer=self.tokenizer, eos_token_ids=eos,
                                         max_model_len=opts.max_model_len)
-        self.load_s = time.perf_counter() - t0
-
-        self._live: dict[str, _Live] = {}
-        self._pending: collections.deque[_Live] = collections.deque()
-        self._aborts: set[str] = set()
-        self._wake: asyncio.Event | None = None
-        self._lock: asyncio.Lock | None = None
-        self._task: asyncio.Task | None = None
-        self._executor = engine_executor(int(opts.threads) if opts.threads else torch.get_num_threads())
-        # load / stats
-        self._route: dict = {}
-        self._route_ts = 0.0
-        self._cluster_load = 0.0
-        self._tokens_last_round = 0
-        self._emitted_last_round = 0
-        self._step_ema = None
-        self._recent: collections.deque = collections.deque(maxlen=256)  # (t_end, step_s, emitted, B)
-        self._depth_hist = [0] * (self.engine.depth_cap + 1)
-        self._totals = collections.Counter()
-        self._prev_stats: dict[str, tuple] = {}
-        logger.info("engine replica %s ready in %.1fs (speculative=%s, scheduler=%s, gamma=%s, SPS cache %s)",
-                    self.replica_id, self.load_s, opts.speculative, opts.scheduler, self.engine.depth_cap,
-                    self.cost_path)
 
     # ------------------------------------------------------------------------------------------- public methods
     async def generate(self, request: dict, _route: dict | None = None):

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -487,6 +488,8 @@ def test_stream_interval_coalesces_events(target_dir, reference):
                              "stream_interval": interval})
         evs = [ev async for ev in rep.generate({"prompt_ids": prompt, "max_tokens": 12, "temperature": 0.0,
                                                 "stream": stream})]
+        # the engine was built on the thread its rounds run on (one OpenMP pool in the process, see __init__)
+        assert rep.built_on_thread == rep._executor.submit(threading.get_ident).result() != threading.get_ident()
         rep.__del__()
         return evs
 
