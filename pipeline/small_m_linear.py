@@ -95,9 +95,10 @@ def unavailable_reason() -> str | None:
 
 
 def usable(weight: torch.Tensor) -> bool:
-    """The kernel applies to this weight: fp32 [N, K] on the CPU with K a multiple of 8 (and the kernel loads)."""
+    """The kernel applies to this weight: contiguous fp32 [N, K] on the CPU with K a multiple of 8 (and the kernel
+    loads)."""
     return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and weight.shape[1] % 8 == 0 and available())
+            and weight.shape[1] % 8 == 0 and weight.is_contiguous() and available())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
