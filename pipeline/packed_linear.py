@@ -85,6 +85,19 @@ class PackedWeight:
         return F.linear(x, self.weight, self.bias)
 
 
+def _interleaved_medians(first, second, reps: int) -> tuple[float, float]:
+    """Median seconds of ``reps`` calls of each zero-argument callable, taking turns (first second, second first,
+    ...) after one warm-up round, so a burst of contention hits both alike."""
+    times = ([], [])
+    for k in range(reps + 1):
+        for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            (first, second)[i]()
+            if k:
+                times[i].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 _FLINEAR_WINS_ONE_ROW: dict = {}  # hidden size -> whether F.linear beat the packed weight at 1 row (this process)
 
 
@@ -98,15 +111,9 @@ def flinear_wins_one_row(d: int, reps: int = 15) -> bool:
         w = torch.randn(4 * d, d, generator=g)
         pw = PackedWeight(w, None, True, 0)
         x = torch.randn(1, d, generator=g)
-        times = {False: [], True: []}
-        for k in range(reps + 1):
-            for use_packed in ((False, True) if k % 2 == 0 else (True, False)):
-                t0 = time.perf_counter()
-                for _ in range(8):
-                    packed_linear(x, pw.packed, None) if use_packed else F.linear(x, w)
-                if k:
-                    times[use_packed].append(time.perf_counter() - t0)
-        _FLINEAR_WINS_ONE_ROW[d] = statistics.median(times[False]) < statistics.median(times[True])
+        t_flinear, t_packed = _interleaved_medians(lambda: [F.linear(x, w) for _ in range(8)],
+                                                   lambda: [packed_linear(x, pw.packed, None) for _ in range(8)], reps)
+        _FLINEAR_WINS_ONE_ROW[d] = t_flinear < t_packed
     return _FLINEAR_WINS_ONE_ROW[d]
 
 
@@ -128,15 +135,9 @@ def kernel_wins_few_rows(d: int = 576, rows=(1, 8), reps: int = 15) -> bool:
         wins = True
         for r in rows:
             x = torch.randn(r, d, generator=g)
-            times = {False: [], True: []}
-            for k in range(reps + 1):
-                for use_kernel in ((False, True) if k % 2 == 0 else (True, False)):
-                    t0 = time.perf_counter()
-                    for _ in range(8):
-                        small_m_linear.linear(x, w) if use_kernel else packed_linear(x, pw.packed, None)
-                    if k:
-                        times[use_kernel].append(time.perf_counter() - t0)
-            wins = wins and statistics.median(times[True]) < statistics.median(times[False])
+            t_packed, t_kernel = _interleaved_medians(lambda: [packed_linear(x, pw.packed, None) for _ in range(8)],
+                                                      lambda: [small_m_linear.linear(x, w) for _ in range(8)], reps)
+            wins = wins and t_kernel < t_packed
         _KERNEL_WINS[d] = wins
     return _KERNEL_WINS[d]
 
@@ -158,18 +159,9 @@ def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 1
         best = 0
         for r in rows:
             x = torch.randn(r, ws[0].weight.shape[1], generator=g)
-            times = {False: [], True: []}
-            for k in range(reps + 1):
-                for use_packed in ((False, True) if k % 2 == 0 else (True, False)):
-                    t0 = time.perf_counter()
-                    for w in ws:
-                        if use_packed:
-                            packed_linear(x, w.packed, w.bias)
-                        else:
-                            F.linear(x, w.weight, w.bias)
-                    if k:
-                        times[use_packed].append(time.perf_counter() - t0)
-            if statistics.median(times[False]) >= statistics.median(times[True]):
+            t_flinear, t_packed = _interleaved_medians(lambda: [F.linear(x, w.weight, w.bias) for w in ws],
+                                                       lambda: [packed_linear(x, w.packed, w.bias) for w in ws], reps)
+            if t_flinear >= t_packed:
                 break
             best = r
         for w in ws:

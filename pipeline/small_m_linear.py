@@ -35,9 +35,8 @@ from pipeline.runtime import work_dir
 SOURCE = Path(__file__).with_name("kernels") / "small_m_linear.cpp"
 MAX_ROWS = 24  # the smallm back end runs inputs of at most this many rows through the kernel, larger ones packed
 
-_module = None
+_module = None  # the loaded extension (None: not tried yet, or unavailable)
 _reason: str | None = None  # why the kernel is unavailable (None: not tried yet, or available)
-_tried = False
 
 
 def cpu_supports() -> str | None:
@@ -69,10 +68,9 @@ def _load(verbose: bool = False):
 
 def ensure(verbose: bool = False) -> bool:
     """Build (first time) and load the kernel; True when it can be used.  Tried once per process."""
-    global _module, _reason, _tried
-    if _tried:
+    global _module, _reason
+    if _module is not None or _reason is not None:  # tried: loaded, or a reason why not
         return _module is not None
-    _tried = True
     if os.environ.get("DSPARK_NO_SMALL_M_KERNEL") == "1":
         _reason = "disabled by DSPARK_NO_SMALL_M_KERNEL=1"
         return False
