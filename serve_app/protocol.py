@@ -431,6 +431,14 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "starting", "unavailable", "failed"]
     model: str
-    replicas_seen: int
+    ready_replicas: int
+    wanted_replicas: int
+    replica_states: dict[str, int]  # Serve's replica state -> count (RUNNING, STARTING, ...)
+    detail: str
+
+
+class Liveness(BaseModel):
+    status: Literal["alive"] = "alive"
+    model: str

@@ -22,9 +22,9 @@ Verification-depth policy (schedulers)
   * ``hardware``: docs/dspark.md §7 Algorithm 1 (greedy prefix admission with the early stop) on this replica's SPS(B)
     table; ``async``: the production variant (capacity from the unconstrained search two rounds earlier).
   * SPS(B) is profiled once at replica start (``CostTable.profile``, bounded batch sizes) and cached at
-    ``<work>/cache/sps-<hash>.json`` (hash of target, dtype, device, threads, profile settings, torch version); a file
-    lock makes co-located replicas profile one at a time (a concurrent profile would measure contention) and reuse
-    the cache.  ``reprofile()`` re-measures on demand (between rounds) and replaces the table.
+    ``<work>/cache/sps-<hash>.json`` (hash of target, dtype, device, threads, profile settings, torch version); an OS
+    lock (pipeline/file_lock.py: dropped by the kernel if its holder dies, waited for at most a bound) makes
+    co-located replicas profile one at a time (a concurrent profile would measure contention) and reuse the cache.  ``reprofile()`` re-measures on demand (between rounds) and replaces the table.
   * Cluster load (from the router, serve_app/router.py): every routed request carries ``_route`` with, per replica,
     the target tokens of its last round (B_i) and the tokens it emitted in that round (τ_i), plus the cluster load
     factor (active+queued over total batch capacity).  The replica keeps the latest view (ignored once older than
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import fcntl
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -71,6 +71,7 @@ from ray import serve
 
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine import SpecConfig, SpeculativeEngine
+from pipeline.file_lock import DEFAULT_TIMEOUT_S, atomic_write_text, file_lock, sweep_temporaries
 from pipeline.prompts import end_of_turn_ids
 from pipeline.runtime import apply_env, work_dir
 from pipeline.sampling import SamplingParams
@@ -82,6 +83,10 @@ logger = logging.getLogger("ray.serve")
 
 SCHEDULER_CHOICES = ("none", "fixed", "hardware", "async")
 ENGINE_METHOD = "generate"  # the streaming method the router annotates with the cluster view
+
+
+class ReplicaInitTimeout(RuntimeError):
+    """An engine replica whose engine was not built within ``init_timeout_s`` (the message says at which stage)."""
 
 
 # ----------------------------------------------------------------------------------------------------- options
@@ -110,6 +115,7 @@ class ReplicaOptions:
     route_ttl_s: float = 10.0
     model_name: str = "model"
     stream_interval: int = 1  # tokens per streamed event after the first (the first and the last always go)
+    init_timeout_s: float = 900.0  # a replica whose engine is not built within this fails with ReplicaInitTimeout
 
     def __post_init__(self):
         if self.scheduler not in SCHEDULER_CHOICES:
@@ -122,6 +128,8 @@ class ReplicaOptions:
             raise ValueError("stream_interval must be >= 1")
         if not 0.0 <= self.shared_hardware <= 1.0:
             raise ValueError("shared_hardware must lie in [0, 1]")
+        if self.init_timeout_s <= 0:
+            raise ValueError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
 
     @property
     def speculative(self) -> bool:
@@ -168,8 +176,26 @@ def same_shape(a: CostTable, b: CostTable, tol: float = SAME_SHAPE) -> bool:
     return pa.keys() == pb.keys() and all(abs(pa[k] - pb[k]) <= tol * min(pa[k], pb[k]) for k in pa)
 
 
+PROFILE_LOCK = "sps-profile.lock"  # in the cache folder
+
+
+def _plausible_cache(path: Path) -> CostTable | None:
+    """The cached table at ``path`` if it exists, parses and is plausible (see load_or_profile_cost_table)."""
+    if not path.is_file():
+        return None
+    try:
+        table = CostTable.load(path)
+    except Exception:  # corrupt cache: profile again
+        logger.warning("corrupt SPS cache %s; re-profiling", path)
+        return None
+    if table.inversion() <= MAX_INVERSION or table.meta.get("inversion_reproduced"):
+        return table
+    logger.warning("SPS cache %s is implausible (inversion %.2f); re-profiling", path, table.inversion())
+    return None
+
+
 def load_or_profile_cost_table(runner, opts: ReplicaOptions, max_tokens_per_request: int, force: bool = False,
-                               attempts: int = 3):
+                               attempts: int = 3, lock_timeout_s: float = DEFAULT_TIMEOUT_S):
     """The cached SPS table for this (target, dtype, device, threads, profile settings), profiling it if missing.
 
     A profile (or a cached one) whose points are implausible -- ``CostTable.inversion() > MAX_INVERSION``, e.g. a
@@ -183,45 +209,37 @@ def load_or_profile_cost_table(runner, opts: ReplicaOptions, max_tokens_per_requ
     cache.mkdir(parents=True, exist_ok=True)
     key = cost_table_key(opts, max_tokens_per_request, getattr(runner, "linear_backend", None))
     path = cache / f"sps-{key}.json"
-    with open(cache / f"sps-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one profiler at a time on this machine
-        try:
-            if path.is_file() and not force:
-                try:
-                    table = CostTable.load(path)
-                    if table.inversion() <= MAX_INVERSION or table.meta.get("inversion_reproduced"):
-                        return table, path, False
-                    logger.warning("SPS cache %s is implausible (inversion %.2f); re-profiling", path,
-                                   table.inversion())
-                except Exception:  # corrupt cache: profile again
-                    logger.warning("corrupt SPS cache %s; re-profiling", path)
-            best = prev = None
-            for attempt in range(max(1, attempts)):
-                table = CostTable.profile(runner, batch_sizes=[int(b) for b in opts.profile_batch_sizes],
-                                          context_len=opts.profile_context_len,
-                                          max_tokens_per_request=max_tokens_per_request,
-                                          repeats=opts.profile_repeats, warmup=1)
-                if best is None or table.inversion() < best.inversion():
-                    best = table
-                if best.inversion() <= MAX_INVERSION:
-                    break
-                if prev is not None and same_shape(prev, table):
-                    best = table
-                    best.meta["inversion_reproduced"] = True
-                    logger.info("SPS profile not monotone, reproduced by two profiles (inversion %.2f): kept as the "
-                                "hardware's cost curve: %s", table.inversion(), table.points)
-                    break
-                logger.warning("SPS profile attempt %d implausible (inversion %.2f): %s", attempt + 1,
-                               table.inversion(), table.points)
-                prev = table
-            best.meta["key"] = key
-            best.meta["inversion"] = round(best.inversion(), 4)
-            tmp = path.with_suffix(f".tmp-{os.getpid()}")
-            best.save(tmp)
-            os.replace(tmp, path)
-            return best, path, True
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    if not force and (table := _plausible_cache(path)) is not None:  # written whole or not at all: no lock
+        return table, path, False
+    # An OS lock (dropped by the kernel if its holder dies), waited for at most lock_timeout_s: one profiler at a
+    # time on this machine, whatever its key (two profiles at once would each measure the other's contention).
+    with file_lock(cache / PROFILE_LOCK, timeout_s=lock_timeout_s, what="the SPS profile"):
+        sweep_temporaries(cache, path.name)
+        if not force and (table := _plausible_cache(path)) is not None:  # profiled while this one waited
+            return table, path, False
+        best = prev = None
+        for attempt in range(max(1, attempts)):
+            table = CostTable.profile(runner, batch_sizes=[int(b) for b in opts.profile_batch_sizes],
+                                      context_len=opts.profile_context_len,
+                                      max_tokens_per_request=max_tokens_per_request,
+                                      repeats=opts.profile_repeats, warmup=1)
+            if best is None or table.inversion() < best.inversion():
+                best = table
+            if best.inversion() <= MAX_INVERSION:
+                break
+            if prev is not None and same_shape(prev, table):
+                best = table
+                best.meta["inversion_reproduced"] = True
+                logger.info("SPS profile not monotone, reproduced by two profiles (inversion %.2f): kept as the "
+                            "hardware's cost curve: %s", table.inversion(), table.points)
+                break
+            logger.warning("SPS profile attempt %d implausible (inversion %.2f): %s", attempt + 1,
+                           table.inversion(), table.points)
+            prev = table
+        best.meta["key"] = key
+        best.meta["inversion"] = round(best.inversion(), 4)
+        atomic_write_text(path, json.dumps(best.to_dict(), indent=1))
+        return best, path, True
 
 
 # ----------------------------------------------------------------------------------------------------- per request
@@ -284,7 +302,15 @@ class EngineReplica:
         # parallel regions, and each of the hundreds of regions of a forward waits for a sleeping worker (a 2-core
         # EPYC: 55 ms per token with the engine built on another thread, 37 with everything on the engine's).
         self._executor = engine_executor(int(opts.threads) if opts.threads else torch.get_num_threads())
-        self._executor.submit(self._build_engine).result()
+        self.init_stage = "starting"
+        try:
+            self._executor.submit(self._build_engine).result(timeout=opts.init_timeout_s)
+        except concurrent.futures.TimeoutError:
+            msg = (f"engine replica {self.replica_id} did not initialize within {opts.init_timeout_s:g} s "
+                   f"(--replica-init-timeout-s); it was {self.init_stage}")
+            logger.error(msg)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            raise ReplicaInitTimeout(msg) from None
         self.load_s = time.perf_counter() - t0
 
         self._live: dict[str, _Live] = {}
@@ -312,6 +338,7 @@ class EngineReplica:
         """Target runner, drafter, scheduler (SPS table) and engine, on the engine's thread (see __init__)."""
         self.built_on_thread = threading.get_ident()
         opts = self.opts
+        self.init_stage = f"loading the target {opts.target} ({opts.dtype}; the CPU linear kernel's first load)"
         self.runner = TargetRunner.from_pretrained(opts.target, dtype=opts.dtype, device=opts.device,
                                                    max_seq_len=opts.max_model_len)
         drafter = None
@@ -319,6 +346,7 @@ class EngineReplica:
         self.load_sched = None
         scheduler = "fixed"
         if opts.speculative:
+            self.init_stage = f"loading the drafter {opts.drafter}"
             drafter = load_drafter(opts.drafter, opts.target, dtype=self.runner.dtype, device=self.runner.device)
             block = int(drafter.cfg.block_size)
             if opts.gamma is not None and opts.gamma > block:
@@ -330,6 +358,7 @@ class EngineReplica:
                 if opts.cost_table:
                     self.cost_table, self.cost_path = CostTable.load(opts.cost_table), Path(opts.cost_table)
                 else:
+                    self.init_stage = "profiling the SPS cost table (or waiting for another replica's profile)"
                     self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts, gamma + 1)
                 scheduler = make_load_aware_scheduler(opts.scheduler, self.cost_table, opts.token_budget)
                 self.load_sched = scheduler
@@ -337,6 +366,7 @@ class EngineReplica:
                               draft_sample_method=opts.draft_sample_method, seed=opts.seed)
         else:
             spec = SpecConfig(seed=opts.seed)
+        self.init_stage = "building the engine"
         eos = set(self.runner.config.eos_token_ids) | set(end_of_turn_ids(self.tokenizer))
         self.engine = SpeculativeEngine(self.runner, drafter, spec, tokenizer=self.tokenizer, eos_token_ids=eos,
                                         max_model_len=opts.max_model_len)

@@ -27,7 +27,8 @@ loop, the vLLM one (serve_app/vllm_replica.py) from vLLM's output stream (reques
 cluster view but does not feed it to vLLM's verification budget (docs/serving_on_gpu.md).
 
 Every view is also published in-process (``cluster_view()``) for the ingress's /metrics (the router runs inside the
-ingress replica, which owns the engine handle).
+ingress replica, which owns the engine handle), and so is the number of running replicas the router knows
+(``known_replicas()``): the ingress's first, free check that a request has somewhere to go.
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ ENGINE_METHOD = "generate"
 
 # process-wide: deployment name -> {replica_id: routing stats + router-side in-flight}
 _VIEW: Dict[str, Dict[str, dict]] = {}
+# process-wide: deployment name -> how many running replicas the router knows (Serve pushes every change)
+_REPLICAS: Dict[str, int] = {}
 _VIEW_LOCK = threading.Lock()
 
 
@@ -56,6 +59,14 @@ def cluster_view(deployment: str | None = None) -> Dict[str, dict]:
         for d in _VIEW.values():
             out.update({k: dict(v) for k, v in d.items()})
         return out
+
+
+def known_replicas(deployment: str) -> Optional[int]:
+    """How many running replicas of ``deployment`` a LoadAwareRouter in this process knows of now (None: no
+    router yet -- Serve builds it on the first request through the handle).  Serve pushes the running set to the
+    router when it changes, and the router drops a replica at once when a call finds it dead."""
+    with _VIEW_LOCK:
+        return _REPLICAS.get(deployment)
 
 
 def expected_work(load: float, step_s: float) -> float:
@@ -121,6 +132,7 @@ class LoadAwareRouter(RequestRouter):
             with self._lock:
                 self._inflight.pop(replica_id, None)
                 self._history.pop(replica_id, None)
+        self._publish_count(len(getattr(self, "_replicas", {})))
 
     # ---------------------------------------------------------------- scoring
     def _fresh_stats(self, r: RunningReplica, now: float) -> dict:
@@ -178,6 +190,7 @@ class LoadAwareRouter(RequestRouter):
 
     def update_replicas(self, replicas: List[RunningReplica]):
         super().update_replicas(replicas)
+        self._publish_count(len(replicas))
         try:
             if not self._state_ready():
                 self.initialize_state()
@@ -185,9 +198,18 @@ class LoadAwareRouter(RequestRouter):
         except Exception:  # publishing is best effort; routing must not fail because of it
             pass
 
-    def _publish(self, rows: List[dict]) -> None:
+    def _deployment_name(self) -> str:
         dep = getattr(self, "_deployment_id", None)
-        name = dep.name if dep is not None else "engine"
+        return dep.name if dep is not None else "engine"
+
+    def _publish_count(self, n: int) -> None:
+        import serve_app.router as registry  # the real module's globals (see _publish)
+
+        with registry._VIEW_LOCK:
+            registry._REPLICAS[self._deployment_name()] = int(n)
+
+    def _publish(self, rows: List[dict]) -> None:
+        name = self._deployment_name()
         view = {}
         for x in rows:
             d: Dict[str, Any] = dict(x["stats"])

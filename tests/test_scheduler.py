@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +107,40 @@ def test_a_reproduced_inversion_is_kept_as_the_hardware_curve(tmp_path, monkeypa
     again, _, profiled = load_or_profile_cost_table(None, opts, 8)
     assert not profiled and len(calls) == 2 and again.points == table.points
     assert path.name == f"sps-{cost_table_key(opts, 8)}.json"
+
+
+def test_sps_profile_lock_is_bounded_and_dies_with_its_holder(tmp_path, monkeypatch):
+    """Another live profiler: a named LockTimeout within the bound.  A profiler killed while holding the lock (a
+    replica stopped mid-profile): the next one profiles at once."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipeline.file_lock import LockTimeout
+    from serve_app import replica
+    from serve_app.replica import PROFILE_LOCK, ReplicaOptions, load_or_profile_cost_table
+
+    monkeypatch.setattr(replica.CostTable, "profile", staticmethod(lambda runner, **kw: CostTable({1: 0.01, 2: 0.012})))
+    target = tmp_path / "target"
+    target.mkdir()
+    opts = ReplicaOptions(target=str(target), cache_dir=str(tmp_path / "cache"), profile_batch_sizes=[1, 2])
+    hold = ("import sys, time; from pipeline.file_lock import file_lock\n"
+            "with file_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)\n")
+    (tmp_path / "cache").mkdir()
+    p = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "cache" / PROFILE_LOCK)], stdout=subprocess.PIPE,
+                         text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert p.stdout.readline().strip() == "held"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout, match="the SPS profile"):
+            load_or_profile_cost_table(None, opts, 2, lock_timeout_s=0.5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    table, path, profiled = load_or_profile_cost_table(None, opts, 2, lock_timeout_s=0.5)
+    assert profiled and table.points == [(1, 0.01), (2, 0.012)]
+    assert sorted(x.name for x in path.parent.iterdir()) == sorted([path.name, PROFILE_LOCK])  # no temporaries
 
 
 # ------------------------------------------------------------------------------------------------ simple rules

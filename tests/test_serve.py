@@ -104,20 +104,9 @@ def test_router_ranks_by_expected_work():
 # ------------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def serve_drafter(target_dir, tmp_path_factory):
-    from transformers import AutoConfig
+    from toy_drafter import export_random_drafter
 
-    from pipeline.dspark.checkpoint import export_checkpoint
-    from pipeline.dspark.drafter import DSparkDrafter
-    from pipeline.dspark.config import DrafterConfig
-
-    torch.manual_seed(0)
-    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_hidden_layers=1,
-                                           draft_vocab_size=4096, markov_rank=32)
-    d = DSparkDrafter.from_target(cfg, target_dir, draft_ids=torch.arange(4096))
-    with torch.no_grad():  # non-trivial heads (they start at zero); positive bias -> some drafts get verified
-        d.markov_head.markov_w2.weight.normal_(0, 0.02)
-        d.confidence_head.proj.weight.normal_(0, 0.5)
-    return export_checkpoint(d, tmp_path_factory.mktemp("drafter") / "drafter", verifier_name_or_path=str(target_dir))
+    return export_random_drafter(target_dir, tmp_path_factory.mktemp("drafter") / "drafter")
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +169,10 @@ def test_models_health(server):
 
     m = requests.get(server.url + "/models").json()
     assert m["object"] == "list" and m["data"][0]["id"] == server.model
-    assert requests.get(server.base + "/health").json()["status"] == "ok"
+    h = requests.get(server.base + "/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    assert h.json()["ready_replicas"] == h.json()["wanted_replicas"] == 2  # serve.run waited for both
+    assert requests.get(server.base + "/livez").json()["status"] == "alive"
 
 
 def test_completions_plain_and_streaming(server, reference):

@@ -222,3 +222,22 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def export_random_drafter(target_dir, out, layers: int = 1, draft_vocab: int = 4096, markov_rank: int = 32):
+    """A random-weight DSpark drafter for the real target, exported as a checkpoint folder at ``out`` (returned).
+    Non-trivial heads (they start at zero): a positive confidence bias, so some drafts get verified."""
+    from transformers import AutoConfig
+
+    from pipeline.dspark.checkpoint import export_checkpoint
+    from pipeline.dspark.config import DrafterConfig
+    from pipeline.dspark.drafter import DSparkDrafter
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target_dir), num_hidden_layers=layers,
+                                           draft_vocab_size=draft_vocab, markov_rank=markov_rank)
+    d = DSparkDrafter.from_target(cfg, target_dir, draft_ids=torch.arange(draft_vocab))
+    with torch.no_grad():
+        d.markov_head.markov_w2.weight.normal_(0, 0.02)
+        d.confidence_head.proj.weight.normal_(0, 0.5)
+    return export_checkpoint(d, out, verifier_name_or_path=str(target_dir))
