@@ -1,7 +1,7 @@
 """Stage 2 on Ray Data: target hidden states for every response row, into a hidden-state store.
 
 Primary extractor: vLLM actors running the ``extract_hidden_states`` method with our CPU-safe connector
-(actors.cpu_hidden_states_connector); fallback: transformers (pipeline.hf_extractor).  Each sample (prompt +
+(actors.cpu_hidden_states_connector); fallback: transformers (pipeline.data.hf_extractor).  Each sample (prompt +
 response) goes through one prefill; the chosen layers and the final hidden state (the final norm applied to layer
 L, in fp32) come back as bf16 and are written to the store (Parquet shards on disk, or Mooncake), manifest last.
 Resumable: samples already in the store are skipped.
@@ -22,19 +22,21 @@ from tqdm import tqdm
 
 from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_llm, engine_actor_plan, engine_config,
                                 engine_dtype)
-from pipeline.config_fields import (actor_resources_field, actor_threads_field, engine_dtype_field, ray_address_field,
-                                    target_field)
-from pipeline.hf_extractor import HFExtractor
-from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, MOONCAKE_PROTOCOLS,
-                                  TP_HELP, EngineLayout, PlanError, actor_pool_plan, check_count, check_non_negative,
-                                  mooncake_plan)
-from pipeline.placement import INFERENCE, role_resources
-from pipeline.runtime import init_ray
-from pipeline.shards import ShardSet
+from pipeline.core.config_fields import (actor_resources_field, actor_threads_field, engine_dtype_field,
+                                         ray_address_field, target_field)
+from pipeline.data.hf_extractor import HFExtractor
+from pipeline.core.runtime import MOONCAKE_PROTOCOLS
+from pipeline.launch.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, TP_HELP, EngineLayout,
+                                         PlanError, actor_pool_plan, check_count, check_non_negative, mooncake_plan)
+from pipeline.launch.placement import INFERENCE, role_resources
+from pipeline.core.runtime import init_ray
+from pipeline.data.shards import ShardSet
 from pipeline.stores import open_hidden_store
-from pipeline.stores.base import bytes_per_token, full_vocab_lse, tensor_from_bytes, tensor_to_bytes
-from pipeline.target_model import num_layers, parse_layer_ids, resolve_target
-from pipeline.target_weights import load_target_weights
+from pipeline.ops.layers import full_vocab_lse
+from pipeline.stores.base import bytes_per_token, tensor_from_bytes, tensor_to_bytes
+from pipeline.data.target_model import num_layers, resolve_target
+from pipeline.dspark.config import parse_layer_ids
+from pipeline.dspark.target_weights import load_target_weights
 
 _IN_SCHEMA = pa.schema([("request_id", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.uint8()))])
@@ -213,7 +215,7 @@ def row_to_sample(row: dict, aux_dim: int, hidden: int) -> dict[str, torch.Tenso
 
 
 def extraction_plan(cfg: ExtractConfig, target) -> dict:
-    """What stage 2 launches (pipeline.launch_plan): the Ray Data extractor pool, each actor's Ray options, its
+    """What stage 2 launches (pipeline.launch.launch_plan): the Ray Data extractor pool, each actor's Ray options, its
     engine configuration and the hidden-state store; ``--dry-run`` prints it, ``run_extraction`` launches it."""
     layout = cfg.layout()
     L = num_layers(target)

@@ -22,10 +22,10 @@ import ray
 from actors.extraction import _IN_SCHEMA, VLLMExtractor
 from actors.mooncake_master import loopback_preload_env
 from actors.vllm_engine import actor_runtime_env
-from pipeline.launch_plan import EngineLayout
-from pipeline.placement import INFERENCE, role_resources
+from pipeline.launch.launch_plan import EngineLayout
+from pipeline.launch.placement import INFERENCE, role_resources
 from pipeline.stores.mooncake import MooncakeHiddenStore, tensor_bytes_view
-from pipeline.target_model import num_layers
+from pipeline.data.target_model import num_layers
 
 
 class _ExtractionWorker:
@@ -72,7 +72,7 @@ class ExtractionService:
     def __init__(self, target: str, layer_ids: list[int], endpoint, prefix: str, num_workers: int = 1,
                  max_model_len: int = 2048, kind: str = "vllm", num_cpus: float = 1.0, resources: dict | None = None,
                  node_endpoints: dict | None = None, layout: dict | None = None):
-        """``layout``: the engine layout of every worker (``pipeline.launch_plan.EngineLayout`` fields, e.g.
+        """``layout``: the engine layout of every worker (``pipeline.launch.launch_plan.EngineLayout`` fields, e.g.
         ``{"gpus": 1}``: each worker asks Ray for that many GPUs and runs its vLLM engine on CUDA)."""
         ep = endpoint.to_dict() if hasattr(endpoint, "to_dict") else dict(endpoint)
         # the worker's Mooncake client must bind loopback only: the shim has to be preloaded at process start

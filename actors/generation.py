@@ -2,7 +2,7 @@
 
 The driver tokenizes the prompts (chat template), drops the ids that committed shards already hold, streams the
 rest through ``map_batches(VLLMGenerator, compute=ActorPoolStrategy(...))`` and writes the results as atomic
-Parquet shards (pipeline.shards) as they arrive; the manifest is written last.  Kill it at any point and rerun: the
+Parquet shards (pipeline.data.shards) as they arrive; the manifest is written last.  Kill it at any point and rerun: the
 missing rows are generated, none twice (per-request seeds make the rerun sample what the first run would have).
 """
 from __future__ import annotations
@@ -19,16 +19,16 @@ from tqdm import tqdm
 
 from actors.vllm_engine import (ACTOR_MEMORY_HELP, actor_memory_request, build_llm, engine_actor_plan,
                                 engine_config, engine_dtype, request_seed)
-from pipeline.config_fields import (actor_resources_field, actor_threads_field, engine_dtype_field, ray_address_field,
-                                    target_field, temperature_field, top_k_field, top_p_field)
-from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, TP_HELP, EngineLayout,
-                                  actor_pool_plan, check_count, check_non_negative)
-from pipeline.placement import INFERENCE, role_resources
-from pipeline.prompts import DEFAULT_PROMPTS, read_prompt_files, tokenize_requests
-from pipeline.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
-from pipeline.runtime import init_ray
-from pipeline.shards import ShardSet, atomic_write_bytes
-from pipeline.target_model import resolve_target
+from pipeline.core.config_fields import (actor_resources_field, actor_threads_field, engine_dtype_field,
+                                         ray_address_field, target_field, temperature_field, top_k_field, top_p_field)
+from pipeline.launch.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, GPUS_HELP, MAX_SEQS_HELP, TP_HELP, EngineLayout,
+                                         actor_pool_plan, check_count, check_non_negative)
+from pipeline.launch.placement import INFERENCE, role_resources
+from pipeline.data.prompts import DEFAULT_PROMPTS, read_prompt_files, tokenize_requests
+from pipeline.data.responses import RESPONSE_SCHEMA, SKIP_SCHEMA, loss_mask_for
+from pipeline.core.runtime import init_ray
+from pipeline.data.shards import ShardSet, atomic_write_bytes
+from pipeline.data.target_model import resolve_target
 
 
 @dataclass
@@ -107,7 +107,7 @@ class VLLMGenerator:
 
 
 def generation_plan(cfg: GenerateConfig, target) -> dict:
-    """What stage 1 launches (pipeline.launch_plan): the Ray Data actor pool, each actor's Ray options and its vLLM
+    """What stage 1 launches (pipeline.launch.launch_plan): the Ray Data actor pool, each actor's Ray options and its vLLM
     engine configuration; ``--dry-run`` prints it, ``run_generation`` launches it."""
     layout = cfg.layout()
     dtype = engine_dtype(cfg.dtype, layout)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 from pipeline.stores.mooncake import (ENV_MASTER_ADDR, ENV_METADATA_URL, ENV_SEGMENT_NAME, ENV_SEGMENT_SERVER,
                                       SEGMENT_SERVER_KEY, split_host_port, tcp_reachable)
-from pipeline.runtime import LOOPBACK, apply_env, work_dir
+from pipeline.core.runtime import LOOPBACK, apply_env, work_dir
 
 MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments
 # pre-fault at most this much of a segment (memory made resident at start; a bigger segment faults the rest lazily)

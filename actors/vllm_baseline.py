@@ -2,7 +2,7 @@
 
 A user who wants speed has vLLM's plain decoding to run instead of ours, so the evaluation measures it next to our
 engine, on the same prompts with the same token budget, interleaved prompt by prompt, and every speed ratio is
-taken against the fastest no-speculation system of the run (``pipeline.evaluation``).
+taken against the fastest no-speculation system of the run (``pipeline.eval.evaluation``).
 
 ``VLLMPlainDecoding(target, dtype).generate([prompt_ids], params, max_tokens)`` has the calling convention of
 ``SpeculativeEngine.generate`` for one prompt and returns objects with ``output_ids`` and ``stats`` (a zero-round
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actors.vllm_engine import build_llm
-from pipeline.engine import RequestStats
-from pipeline.sampling import SamplingParams
+from pipeline.engine.engine import RequestStats
+from pipeline.ops.sampling import SamplingParams
 
 
 @dataclass

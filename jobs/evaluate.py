@@ -6,14 +6,14 @@ by side on the same prompts in one run; every speedup is against the fastest of 
 Writes results.json (per benchmark and overall), acceptance_by_position.png and reliability.png to --out."""
 from __future__ import annotations
 
-from pipeline.runtime import apply_env, run_job_main
+from pipeline.core.runtime import apply_env, run_job_main
 
 
 def main(argv=None):
     apply_env()
     from actors.vllm_baseline import VLLMPlainDecoding
-    from pipeline.config_cli import parse_config
-    from pipeline.evaluation import EvalConfig, run_evaluation
+    from pipeline.core.config_cli import parse_config
+    from pipeline.eval.evaluation import EvalConfig, run_evaluation
 
     cfg = parse_config(EvalConfig, argv, description=__doc__)
     res = run_evaluation(cfg, plain_decoder=VLLMPlainDecoding)

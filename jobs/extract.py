@@ -11,10 +11,10 @@ On GPUs (one extractor per GPU; Mooncake over RDMA with the CUDA Mooncake build)
 from __future__ import annotations
 
 from actors.extraction import ExtractConfig, extraction_plan, run_extraction
-from pipeline.config_cli import parse_config
-from pipeline.launch_plan import PlanError, print_plan
-from pipeline.runtime import apply_env, run_job_main
-from pipeline.target_model import resolve_target
+from pipeline.core.config_cli import parse_config
+from pipeline.launch.launch_plan import PlanError, print_plan
+from pipeline.core.runtime import apply_env, run_job_main
+from pipeline.data.target_model import resolve_target
 
 
 def main(argv=None):

@@ -10,10 +10,10 @@ On GPUs (each actor one GPU of an inference node; one actor over N GPUs with --t
 from __future__ import annotations
 
 from actors.generation import GenerateConfig, generation_plan, run_generation
-from pipeline.config_cli import parse_config
-from pipeline.launch_plan import print_plan
-from pipeline.runtime import apply_env, run_job_main
-from pipeline.target_model import resolve_target
+from pipeline.core.config_cli import parse_config
+from pipeline.launch.launch_plan import print_plan
+from pipeline.core.runtime import apply_env, run_job_main
+from pipeline.data.target_model import resolve_target
 
 
 def main(argv=None):

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.runtime import apply_env, run_job_main
+from pipeline.core.runtime import apply_env, run_job_main
 
 
 @dataclass
@@ -45,10 +45,10 @@ def main(argv=None):
     apply_env()
     from actors.extraction import ExtractConfig, run_extraction
     from actors.generation import GenerateConfig, run_generation
-    from pipeline.config_cli import parse_config
-    from pipeline.prompts import DEFAULT_PROMPTS
-    from pipeline.runtime import init_ray
-    from pipeline.shards import ShardSet
+    from pipeline.core.config_cli import parse_config
+    from pipeline.data.prompts import DEFAULT_PROMPTS
+    from pipeline.core.runtime import init_ray
+    from pipeline.data.shards import ShardSet
 
     cfg = parse_config(MiniatureConfig, argv, description=__doc__)
     known = ["generate", "extract", "train", "calibrate", "evaluate", "serve"]

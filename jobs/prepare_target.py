@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.runtime import apply_env, run_job_main
+from pipeline.core.runtime import apply_env, run_job_main
 
 
 @dataclass
@@ -18,8 +18,8 @@ class PrepareTargetConfig:
 
 def main(argv=None) -> Path:
     apply_env()
-    from pipeline.config_cli import parse_config
-    from pipeline.target_model import prepare_smollm2
+    from pipeline.core.config_cli import parse_config
+    from pipeline.data.target_model import prepare_smollm2
 
     cfg = parse_config(PrepareTargetConfig, argv, description=__doc__)
     path = prepare_smollm2(cfg.out, dtype=cfg.dtype, force=cfg.force)

@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config_fields import target_field, temperature_field
-from pipeline.recipe import (BudgetSplit, decode_seconds, mix_sizes, next_growth, parse_mix, plan_budget,
-                             probe_step_seconds, steps_that_fit, training_seconds, write_mix)
-from pipeline.runtime import apply_env, run_job_main
-from pipeline.shards import atomic_write_json
+from pipeline.core.config_fields import target_field, temperature_field
+from pipeline.launch.recipe import (BudgetSplit, decode_seconds, mix_sizes, next_growth, parse_mix, plan_budget,
+                                    probe_step_seconds, steps_that_fit, training_seconds, write_mix)
+from pipeline.core.runtime import apply_env, run_job_main
+from pipeline.data.shards import atomic_write_json
 
 DRAFTER_KINDS = ("dspark", "dflash")  # trained on equal data for equal steps; the probe times each of them
 
@@ -104,13 +104,14 @@ def main(argv=None):
     from jobs.calibrate import main as calibrate_main
     from jobs.evaluate import main as evaluate_main
     from jobs.train import main as train_main
-    from pipeline.config_cli import parse_config
-    from pipeline.evaluation import EvalConfig, planned_systems, single_stream_tok_s
-    from pipeline.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
-    from pipeline.runtime import init_ray, resolve_device
-    from pipeline.shards import ShardSet
-    from pipeline.target_model import resolve_target
-    from pipeline.training import TrainConfig, plot_learning_curves
+    from pipeline.core.config_cli import parse_config
+    from pipeline.eval.evaluation import EvalConfig, planned_systems, single_stream_tok_s
+    from pipeline.data.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
+    from pipeline.core.runtime import init_ray, resolve_device
+    from pipeline.data.shards import ShardSet
+    from pipeline.data.target_model import resolve_target
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.metrics import plot_learning_curves
 
     cfg = parse_config(RecipeConfig, argv, description=__doc__)
     mix = parse_mix(cfg.prompts or [str(DEFAULT_PROMPTS)])

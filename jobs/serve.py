@@ -24,9 +24,9 @@ import signal
 import sys
 import time
 
-from pipeline.config_cli import parse_config
-from pipeline.launch_plan import print_plan
-from pipeline.runtime import apply_env, init_ray, run_job_main
+from pipeline.core.config_cli import parse_config
+from pipeline.launch.launch_plan import print_plan
+from pipeline.core.runtime import apply_env, init_ray, run_job_main
 from serve_app.app import ServeConfig, deploy, serve_plan
 from serve_app.readiness import NotReady
 

@@ -1,12 +1,12 @@
 """Stage 3 - train the DSpark (or DFlash baseline) drafter on the stage-2 hidden states.
 
-One training loop (pipeline.trainer.Trainer), two back ends:
+One training loop (pipeline.train.trainer.Trainer), two back ends:
 
 * --backend ray (default): Ray Train's TorchTrainer runs it on --workers workers - CPU workers with a gloo
   all-reduce of the gradients, or with --gpus-per-worker G GPU workers (NCCL, bf16 autocast, each on its own
-  device); the workers' extra resources follow the node roles of pipeline/placement.py (--worker-resources);
+  device); the workers' extra resources follow the node roles of pipeline/launch/placement.py (--worker-resources);
   --fsdp shards the drafter's parameters, gradients and optimizer state over the workers instead of replicating
-  them (FSDP2, pipeline/fsdp_sharding.py: for drafters too large for one device; the same checkpoints);
+  them (FSDP2, pipeline/train/fsdp.py: for drafters too large for one device; the same checkpoints);
 * --backend local: the same loop in this process, without Ray (one GPU or a laptop; --device); with --prompts it
   first generates the responses and extracts their hidden states in this process too (transformers).
 
@@ -25,17 +25,18 @@ import shutil
 
 import torch
 
-from pipeline.config_cli import parse_config
-from pipeline.fsdp_sharding import UNITS_SUMMARY
-from pipeline.launch_plan import print_plan
-from pipeline.local_stages import run_local_stages
-from pipeline.placement import TRAINING, parse_resources, planned_role_resources, role_resources
-from pipeline.runtime import apply_env, init_ray, resolve_device, run_job_main
-from pipeline.shards import atomic_write_json
+from pipeline.core.config_cli import parse_config
+from pipeline.train.fsdp import UNITS_SUMMARY
+from pipeline.launch.launch_plan import print_plan
+from pipeline.train.local_stages import run_local_stages
+from pipeline.launch.placement import TRAINING, parse_resources, planned_role_resources, role_resources
+from pipeline.core.runtime import apply_env, init_ray, resolve_device, run_job_main
+from pipeline.data.shards import atomic_write_json
 from pipeline.stores import open_hidden_store
-from pipeline.trainer import train_local
-from pipeline.training import (LOCAL_CHECKPOINTS, TrainConfig, latest_checkpoint, plan, plot_learning_curves,
-                               planned_steps, plot_metrics, training_split, use_bf16_autocast)
+from pipeline.train.trainer import train_local
+from pipeline.train.config import LOCAL_CHECKPOINTS, TrainConfig, use_bf16_autocast
+from pipeline.train.metrics import latest_checkpoint, plot_learning_curves, plot_metrics
+from pipeline.train.dataset import plan, planned_steps, training_split
 
 RUN_NAME = "train"  # Ray Train's run folder under <out>/ray
 CHECKPOINTS_KEPT = 2
@@ -79,7 +80,7 @@ def resume_point(cfg: TrainConfig):
 
 
 def write_plan(cfg: TrainConfig) -> dict:
-    """pipeline.training.plan (ids, split, draft vocabulary, steps), printed and kept as plan.json."""
+    """pipeline.train.dataset.plan (ids, split, draft vocabulary, steps), printed and kept as plan.json."""
     p = plan(cfg)
     print(f"[train] {len(p['train_ids'])} training / {len(p['holdout_ids'])} held-out samples, "
           f"{p['total_steps']} steps; {p['draft_vocab_report']}")
@@ -104,7 +105,7 @@ def fit_on_ray(cfg: TrainConfig, resume_from):
     from ray.train import CheckpointConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from pipeline.train_backend import LoopbackTorchConfig, train_loop_per_worker  # imports ray
+    from pipeline.train.ray_train import LoopbackTorchConfig, train_loop_per_worker
 
     # Ray Train v2's placement-group cleaner polls the state API every second, which needs the dashboard: without
     # it every poll fails with a warning. A local cluster started here gets one (bound to 127.0.0.1).
@@ -142,7 +143,7 @@ def dry_run(cfg: TrainConfig) -> dict:
     for; on one that does not, the training role's part is dropped (placement.otherwise)."""
     out = dict(job="train", backend=cfg.backend)
     if cfg.backend == "ray":
-        # pipeline/placement.py's rule; "auto" is decided by the cluster at launch
+        # pipeline/launch/placement.py's rule; "auto" is decided by the cluster at launch
         placement = dict(role=TRAINING) | planned_role_resources(
             TRAINING, parse_resources(cfg.worker_resources, "worker-resources"))
         scaling = scaling_fields(cfg, placement["resources"])
@@ -151,7 +152,7 @@ def dry_run(cfg: TrainConfig) -> dict:
                      resources={k: v * cfg.workers for k, v in per_worker.items() if k not in ("CPU", "GPU")})
         out["ray"] = dict(address=cfg.address or os.environ.get("RAY_ADDRESS") or "local (ray.init on 127.0.0.1)",
                           scaling_config=scaling, placement=placement, total=total,
-                          torch_config=dict(cls="pipeline.train_backend.LoopbackTorchConfig",
+                          torch_config=dict(cls="pipeline.train.ray_train.LoopbackTorchConfig",
                                             backend=cfg.process_group_backend,
                                             rendezvous="TCPStore + gloo/NCCL sockets on 127.0.0.1 when the node "
                                                        "address is 127.0.0.1, else Ray Train's default"),

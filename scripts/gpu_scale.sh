@@ -49,7 +49,7 @@ pack() {
   CORPUS="$corpus" PER_DOMAIN="$per_domain" OUTDIR="$CARRY/b/prompts" "$py" - <<'EOF'
 import os
 from pathlib import Path
-from pipeline.recipe import parse_mix, write_mix
+from pipeline.launch.recipe import parse_mix, write_mix
 c, n = Path(os.environ["CORPUS"]), int(os.environ["PER_DOMAIN"])
 shares = {"gsm8k_train": 1.0, "thealgorithms_py_doctest": 0.55, "gpteacher_codegen": 0.40, "exercism_python": 0.05,
           "dolly_partial": 0.35, "hh_rlhf_helpful_test": 0.35, "gpteacher_roleplay": 0.20,
@@ -64,7 +64,7 @@ files = write_mix(parse_mix(spec), Path(os.environ["OUTDIR"]), 1.0)
 print("[gpu_scale] prompt mix:", ", ".join(f"{p.stem} {sum(1 for _ in open(p))}" for p in files))
 EOF
   local gguf
-  gguf="$("$py" -c 'from pipeline.target_model import find_smollm2_gguf; print(find_smollm2_gguf())')"
+  gguf="$("$py" -c 'from pipeline.data.target_model import find_smollm2_gguf; print(find_smollm2_gguf())')"
   local half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
   head -c "$half" "$gguf" > "$CARRY/a/gguf.part1"
   tail -c +"$(( half + 1 ))" "$gguf" > "$CARRY/b/gguf.part2"

@@ -49,7 +49,7 @@ fi
 # 3. The target model (converted once, atomically; prints its path).
 "$VENV/bin/python" -m jobs.prepare_target >/dev/null
 
-# 4. The small-M linear kernel for AVX2 CPUs (pipeline/small_m_linear.py), built once per source version (~40 s);
+# 4. The small-M linear kernel for AVX2 CPUs (pipeline/ops/small_m_linear.py), built once per source version (~40 s);
 #    where it cannot be built or run the engine keeps its other CPU back ends, so this step never fails set-up.
-"$VENV/bin/python" -m pipeline.small_m_linear || echo "[setup] small-M linear kernel not built (optional)"
+"$VENV/bin/python" -m pipeline.ops.small_m_linear || echo "[setup] small-M linear kernel not built (optional)"
 echo "[setup] ready: $VENV"

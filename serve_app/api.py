@@ -37,8 +37,8 @@ from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.prompts import chat_prompt_ids
-from pipeline.runtime import apply_env
+from pipeline.data.prompts import chat_prompt_ids
+from pipeline.core.runtime import apply_env
 from serve_app.ingress_metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.readiness import ReadinessProbe
 from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from pipeline.dspark.checkpoint import CheckpointError, read_config
-from pipeline.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, EngineLayout, PlanError, vllm_engine_env,
-                                  vllm_engine_kwargs)
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import parse_precision
+from pipeline.launch.launch_plan import (DRY_RUN_HELP, GPU_MEM_HELP, EngineLayout, PlanError, vllm_engine_env,
+                                         vllm_engine_kwargs)
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import parse_precision
 from serve_app.readiness import NotReady, wait_until_ready
 
 ENGINES = ("native", "vllm")

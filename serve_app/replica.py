@@ -23,7 +23,7 @@ Verification-depth policy (schedulers)
     table; ``async``: the production variant (capacity from the unconstrained search two rounds earlier).
   * SPS(B) is profiled once at replica start (``CostTable.profile``, bounded batch sizes) and cached at
     ``<work>/cache/sps-<hash>.json`` (hash of target, dtype, device, threads, profile settings, torch version); an OS
-    lock (pipeline/file_lock.py: dropped by the kernel if its holder dies, waited for at most a bound) makes
+    lock (pipeline/core/file_lock.py: dropped by the kernel if its holder dies, waited for at most a bound) makes
     co-located replicas profile one at a time (a concurrent profile would measure contention) and reuse the cache.  ``reprofile()`` re-measures on demand (between rounds) and replaces the table.
   * Cluster load (from the router, serve_app/router.py): every routed request carries ``_route`` with, per replica,
     the target tokens of its last round (B_i) and the tokens it emitted in that round (τ_i), plus the cluster load
@@ -55,10 +55,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import hashlib
-import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -70,13 +67,13 @@ import torch
 from ray import serve
 
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.file_lock import DEFAULT_TIMEOUT_S, atomic_write_text, file_lock, sweep_temporaries
-from pipeline.prompts import end_of_turn_ids
-from pipeline.runtime import apply_env, work_dir
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.data.prompts import end_of_turn_ids
+from pipeline.core.runtime import apply_env
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.cost_table import CostTable, ProfileSpec, load_or_profile_cost_table
+from pipeline.engine.scheduler import FixedDepth, make_load_aware_scheduler
+from pipeline.engine.target_runner import TargetRunner
 from serve_app.events import EventCoalescer
 
 logger = logging.getLogger("ray.serve")
@@ -135,111 +132,11 @@ class ReplicaOptions:
     def speculative(self) -> bool:
         return self.drafter is not None and self.scheduler != "none"
 
-
-# ----------------------------------------------------------------------------------------------------- load-aware depth
-def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: int = 2):
-    """'hardware' -> HardwareAwarePrefix, 'async' -> AsyncCapacity, both taking the cluster load through
-    ``set_load(B_0, τ_0)`` and the token budget (lossless; see the module docstring).  DSparkDrafter applies its
-    STS temperatures itself, so the schedulers use the raw sigmoid (temperatures=None)."""
-    if kind == "hardware":
-        return HardwareAwarePrefix(cost, None, budget=budget)
-    if kind == "async":
-        return AsyncCapacity(cost, None, lag=lag, budget=budget)
-    raise ValueError(f"no load-aware scheduler {kind!r}")
-
-
-def cost_table_key(opts: ReplicaOptions, max_tokens_per_request: int, linear_backend: str | None = None) -> str:
-    """The SPS cache key: everything the cost curve depends on, the runner's CPU linear back end included (an
-    automatic ``float32`` picks one per machine)."""
-    tgt = Path(opts.target)
-    cfg = tgt / "config.json"
-    ident = {
-        "target": str(tgt.resolve()), "config_mtime": cfg.stat().st_mtime if cfg.is_file() else None,
-        "dtype": opts.dtype, "device": opts.device, "threads": torch.get_num_threads(),
-        "batch_sizes": [int(b) for b in opts.profile_batch_sizes], "context_len": opts.profile_context_len,
-        "repeats": opts.profile_repeats, "max_tokens_per_request": max_tokens_per_request,
-        "torch": torch.__version__, "cpus": os.cpu_count(),
-        "v": 4,  # v2: interleaved sweeps; v3: oneDNN pre-packed fp32 linears by default (a different cost curve);
-        # v4: the linear back end in the key
-        "linear_backend": linear_backend,
-    }
-    return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-MAX_INVERSION = 0.25  # a table where fewer tokens cost 25% more than more tokens caught contention: measure again
-SAME_SHAPE = 0.15  # two profiles within 15% at every B: an inversion they share is the hardware's, not contention
-
-
-def same_shape(a: CostTable, b: CostTable, tol: float = SAME_SHAPE) -> bool:
-    """Whether two profiles of the same B agree within ``tol`` (relative) at every point."""
-    pa, pb = dict(a.points), dict(b.points)
-    return pa.keys() == pb.keys() and all(abs(pa[k] - pb[k]) <= tol * min(pa[k], pb[k]) for k in pa)
-
-
-PROFILE_LOCK = "sps-profile.lock"  # in the cache folder
-
-
-def _plausible_cache(path: Path) -> CostTable | None:
-    """The cached table at ``path`` if it exists, parses and is plausible (see load_or_profile_cost_table)."""
-    if not path.is_file():
-        return None
-    try:
-        table = CostTable.load(path)
-    except Exception:  # corrupt cache: profile again
-        logger.warning("corrupt SPS cache %s; re-profiling", path)
-        return None
-    if table.inversion() <= MAX_INVERSION or table.meta.get("inversion_reproduced"):
-        return table
-    logger.warning("SPS cache %s is implausible (inversion %.2f); re-profiling", path, table.inversion())
-    return None
-
-
-def load_or_profile_cost_table(runner, opts: ReplicaOptions, max_tokens_per_request: int, force: bool = False,
-                               attempts: int = 3, lock_timeout_s: float = DEFAULT_TIMEOUT_S):
-    """The cached SPS table for this (target, dtype, device, threads, profile settings), profiling it if missing.
-
-    A profile (or a cached one) whose points are implausible -- ``CostTable.inversion() > MAX_INVERSION``, e.g. a
-    1-token step measured slower than a 16-token one because another process took the cores -- is measured again,
-    up to ``attempts`` times, keeping the most plausible.  An inversion that two successive profiles reproduce
-    (``same_shape``) is the hardware's and is kept as measured (fp32 on an AMD EPYC with native bf16: MKL's 1-2 row
-    GEMM is slower than oneDNN's 4-8 row one); the scheduler prices verification at the cheapest larger batch
-    (``CostTable.verify_time``).  (The live scale in pipeline.scheduler.LiveRoundCost corrects the level to the speed
-    the replica actually sees.)  Returns (CostTable, path, profiled: bool)."""
-    cache = Path(opts.cache_dir) if opts.cache_dir else work_dir() / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    key = cost_table_key(opts, max_tokens_per_request, getattr(runner, "linear_backend", None))
-    path = cache / f"sps-{key}.json"
-    if not force and (table := _plausible_cache(path)) is not None:  # written whole or not at all: no lock
-        return table, path, False
-    # An OS lock (dropped by the kernel if its holder dies), waited for at most lock_timeout_s: one profiler at a
-    # time on this machine, whatever its key (two profiles at once would each measure the other's contention).
-    with file_lock(cache / PROFILE_LOCK, timeout_s=lock_timeout_s, what="the SPS profile"):
-        sweep_temporaries(cache, path.name)
-        if not force and (table := _plausible_cache(path)) is not None:  # profiled while this one waited
-            return table, path, False
-        best = prev = None
-        for attempt in range(max(1, attempts)):
-            table = CostTable.profile(runner, batch_sizes=[int(b) for b in opts.profile_batch_sizes],
-                                      context_len=opts.profile_context_len,
-                                      max_tokens_per_request=max_tokens_per_request,
-                                      repeats=opts.profile_repeats, warmup=1)
-            if best is None or table.inversion() < best.inversion():
-                best = table
-            if best.inversion() <= MAX_INVERSION:
-                break
-            if prev is not None and same_shape(prev, table):
-                best = table
-                best.meta["inversion_reproduced"] = True
-                logger.info("SPS profile not monotone, reproduced by two profiles (inversion %.2f): kept as the "
-                            "hardware's cost curve: %s", table.inversion(), table.points)
-                break
-            logger.warning("SPS profile attempt %d implausible (inversion %.2f): %s", attempt + 1,
-                           table.inversion(), table.points)
-            prev = table
-        best.meta["key"] = key
-        best.meta["inversion"] = round(best.inversion(), 4)
-        atomic_write_text(path, json.dumps(best.to_dict(), indent=1))
-        return best, path, True
+    def profile_spec(self) -> ProfileSpec:
+        """What this replica's SPS profile measures and where it is cached."""
+        return ProfileSpec(target=self.target, dtype=self.dtype, device=self.device,
+                           batch_sizes=list(self.profile_batch_sizes), context_len=self.profile_context_len,
+                           repeats=self.profile_repeats, cache_dir=self.cache_dir)
 
 
 # ----------------------------------------------------------------------------------------------------- per request
@@ -359,7 +256,7 @@ class EngineReplica:
                     self.cost_table, self.cost_path = CostTable.load(opts.cost_table), Path(opts.cost_table)
                 else:
                     self.init_stage = "profiling the SPS cost table (or waiting for another replica's profile)"
-                    self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts, gamma + 1)
+                    self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts.profile_spec(), gamma + 1)
                 scheduler = make_load_aware_scheduler(opts.scheduler, self.cost_table, opts.token_budget)
                 self.load_sched = scheduler
             spec = SpecConfig(method=drafter.cfg.kind, num_speculative_tokens=gamma, scheduler=scheduler,
@@ -427,7 +324,7 @@ class EngineReplica:
             "totals": dict(self._totals), "depth_hist": list(self._depth_hist),
             "sps": ({str(b): round(1.0 / t, 3) for b, t in self.cost_table.points}
                     if self.cost_table is not None else {}),
-            # live round costs the load-aware scheduler uses besides SPS(B) (pipeline.scheduler.LiveRoundCost)
+            # live round costs the load-aware scheduler uses besides SPS(B) (pipeline.engine.scheduler.LiveRoundCost)
             "live_cost": self.load_sched.live.to_dict() if self.load_sched is not None else {},
             "cost_scale": self.load_sched.live.scale if self.load_sched is not None else None,
             "skipped_drafts": self.engine.timers.skipped_drafts,
@@ -449,7 +346,7 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         async with self._lock:
             table, path, _ = await loop.run_in_executor(
-                self._executor, lambda: load_or_profile_cost_table(self.runner, self.opts, self.engine.depth_cap + 1,
+                self._executor, lambda: load_or_profile_cost_table(self.runner, self.opts.profile_spec(), self.engine.depth_cap + 1,
                                                                    force=True))
             self.cost_table, self.cost_path = table, path
             self.load_sched.cost = table

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from pipeline.runtime import apply_env
+from pipeline.core.runtime import apply_env
 from serve_app.events import EventCoalescer
 
 logger = logging.getLogger("ray.serve")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pipeline.runtime import apply_env
+from pipeline.core.runtime import apply_env
 
 os.environ.setdefault("DSPARK_WORK_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), "work"))
 apply_env()
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def target_dir():
     """The real target (SmolLM2-135M-Instruct), converted once by scripts/setup.sh (or here, if missing)."""
-    from pipeline.target_model import prepare_smollm2
+    from pipeline.data.target_model import prepare_smollm2
 
     return prepare_smollm2()
 
@@ -23,7 +23,7 @@ def target_dir():
 @pytest.fixture(scope="session")
 def ray_session():
     """ONE local Ray cluster for the whole test session (Ray start costs seconds and GBs)."""
-    from pipeline.runtime import init_ray
+    from pipeline.core.runtime import init_ray
 
     ray = init_ray(num_cpus=4)
     yield ray

@@ -195,7 +195,7 @@ def test_learning_curves_against_training_seconds(tmp_path):
     """--x seconds: each held-out point at the training seconds so far (positions since the previous row / that
     row's positions_per_s, summed: evaluations are not in the rate, so they add nothing); the CLI prints and plots
     them; a resumed run's repeated step replaces the earlier row."""
-    from pipeline.training import read_learning_curve, training_seconds
+    from pipeline.train.metrics import read_learning_curve, training_seconds
 
     rows = [{"step": 5, "positions_seen": 1000, "positions_per_s": 100.0},
             {"step": 10, "positions_seen": 3000, "positions_per_s": 200.0, "heldout_tau": 1.5},

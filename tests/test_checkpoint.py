@@ -7,10 +7,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pipeline.dspark.checkpoint import CheckpointError, export_checkpoint, load_drafter
-from pipeline.target_weights import load_target_weights
+from pipeline.dspark.target_weights import load_target_weights
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.config import DrafterConfig
-from pipeline.sampling import SamplingParams
+from pipeline.ops.sampling import SamplingParams
 
 torch.set_num_threads(1)
 

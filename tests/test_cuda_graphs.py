@@ -1,4 +1,4 @@
-"""The fixed-shape (padded) forwards behind CUDA graphs (pipeline/cuda_graphs.py), on CPU: padding rows, tokens and
+"""The fixed-shape (padded) forwards behind CUDA graphs (pipeline/engine/cuda_graphs.py), on CPU: padding rows, tokens and
 keys to buckets gives the ragged path's outputs - the target forward (logits, aux hidden states, the KV cache it
 leaves), the DSpark drafting round (tokens, q, confidence), and the engine's greedy and seeded outputs."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.cuda_graphs import StaticDraftProposer, StaticShapes, StaticTargetForward
+from pipeline.engine.cuda_graphs import StaticDraftProposer, StaticShapes, StaticTargetForward
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.sampling import SamplingParams
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.target_runner import TargetRunner
 from test_drafter import D, randomize, tiny_cfg
 from test_target_runner import CFG, _model
 from toy_drafter import greedy_reference, one_thread, tiny_llama

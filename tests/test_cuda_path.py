@@ -1,6 +1,6 @@
 """The CUDA path (skipped without a GPU; run on a GPU machine): the engine with the real DSparkDrafter on cuda is
 lossless - greedy output equals the target's own greedy output in the same precision, batched and single, under
-each scheduler, eager and with CUDA graphs (pipeline/cuda_graphs.py) - at T > 0 the emitted distribution equals the
+each scheduler, eager and with CUDA graphs (pipeline/engine/cuda_graphs.py) - at T > 0 the emitted distribution equals the
 target's (chi-square), with and without graphs, and one micro-batched training step on cuda gives the CPU step's
 loss and gradients."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.cuda_graphs import StaticShapes
+from pipeline.engine.cuda_graphs import StaticShapes
 from pipeline.dspark.anchors import make_blocks
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.config import DrafterConfig
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import CostTable
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.cost_table import CostTable
+from pipeline.engine.target_runner import TargetRunner
 from test_engine import _exact_joint
 from toy_drafter import chi2_pvalue, joint_counts, tiny_llama
 
@@ -92,7 +92,7 @@ def test_training_step_on_cuda_equals_cpu():
     # the losses and the training loop need pyarrow (their hidden-state stores), which a GPU box running only the
     # engine tests may lack: imported here so the other tests still run there
     from pipeline.dspark.losses import LossConfig, TargetHead, weight_sum
-    from pipeline.training import accumulate_gradients
+    from pipeline.train.step import accumulate_gradients
 
     torch.backends.cuda.matmul.allow_tf32 = False
     target = tiny_llama(vocab=64, hidden=32, layers=3, seed=1)

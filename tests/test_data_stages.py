@@ -12,9 +12,9 @@ import torch
 
 from actors.extraction import ExtractConfig, run_extraction
 from actors.generation import GenerateConfig, run_generation
-from pipeline.launch_plan import EngineLayout
+from pipeline.launch.launch_plan import EngineLayout
 from pipeline.stores.disk import DiskHiddenStore
-from pipeline.shards import ShardSet
+from pipeline.data.shards import ShardSet
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def test_actor_memory_request(ray_session, target_dir):
 
 
 def test_extract_real_target_vllm_matches_transformers(responses, target_dir, tmp_path):
-    from pipeline.hf_extractor import HFExtractor
+    from pipeline.data.hf_extractor import HFExtractor
 
     cfg, _ = responses
     ecfg = ExtractConfig(responses=cfg.out, out=tmp_path / "hidden", target=str(target_dir), max_model_len=512,

@@ -6,7 +6,7 @@ from pipeline.dspark.anchors import block_labels, make_blocks, sample_anchors
 from pipeline.dspark.draft_vocab import build_draft_vocab, count_tokens, d2t_from_draft_ids, draft_ids_from_d2t
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.config import DrafterConfig, DrafterConfigError, dflash_layer_ids
-from pipeline.sampling import SamplingParams
+from pipeline.ops.sampling import SamplingParams
 from pipeline.dspark.markov_head import BiasCache, GatedMarkovHead, NoHead, RNNMarkovHead, VanillaMarkovHead
 
 torch.set_num_threads(1)  # tiny shapes: threads only add contention on the shared 2-core machine
@@ -188,7 +188,7 @@ def test_teacher_forced_tau_equals_greedy_drafting(head):
     """The learning curve's held-out tau (training path, true predecessors) equals what greedy drafting through the
     inference path gets accepted against the sequence.  The sequence is built from the drafter's own greedy blocks,
     each cut at a chosen slot, so acceptance lengths 0..γ all occur."""
-    from pipeline.training import teacher_forced_tau
+    from pipeline.train.heldout import teacher_forced_tau
 
     T, start = 60, 6
     m, aux, ids, greedy_block = _planted_greedy_sequence(head, seed=3, T=T, start=start, first_cut=0,
@@ -215,7 +215,7 @@ def test_greedy_walk_tau_replays_greedy_rounds():
     """`python -m jobs.bench heldout_tau --walk-tokens`: rounds replayed along a sequence through the training path
     equal greedy drafting through the inference path round by round (draft from the last emitted token, keep the
     matching prefix + the bonus token), cut at max_tokens."""
-    from pipeline.training import greedy_walk_tau
+    from pipeline.train.heldout import greedy_walk_tau
 
     T, start = 70, 5  # blocks planted where each greedy round starts, so rounds accept 0..γ
     m, aux, ids, greedy_block = _planted_greedy_sequence("vanilla", seed=5, T=T, start=start, first_cut=2,
@@ -239,10 +239,10 @@ def test_greedy_walk_tau_replays_greedy_rounds():
 
 
 def test_teacher_forced_tau_sees_fused_adamw_updates():
-    """Evaluating in the middle of training (pipeline.training's learning curve): after fused AdamW steps the tau
+    """Evaluating in the middle of training (pipeline.train.config's learning curve): after fused AdamW steps the tau
     must be the tau of the CURRENT weights, as a freshly built copy computes it (packed weight caches are dropped)."""
-    from pipeline import packed_linear
-    from pipeline.training import teacher_forced_tau
+    from pipeline.ops import packed_linear
+    from pipeline.train.heldout import teacher_forced_tau
 
     torch.manual_seed(4)
     m = randomize(DSparkDrafter(tiny_cfg(), attn_chunk_queries=8), std=0.1)
@@ -518,9 +518,9 @@ def test_draft_vocab_coverage_size_and_d2t():
 
 
 def test_packed_linear_follows_weight_updates_and_matches_nn_linear():
-    """pipeline.packed_linear.Linear: nn.Linear with autograd on; a oneDNN-packed copy under no_grad on CPU that is
+    """pipeline.ops.packed_linear.Linear: nn.Linear with autograd on; a oneDNN-packed copy under no_grad on CPU that is
     re-packed whenever the weight changes (optimizer steps, load_state_dict)."""
-    from pipeline import packed_linear
+    from pipeline.ops import packed_linear
 
     if not packed_linear.available():
         pytest.skip("no oneDNN packed linear in this PyTorch build")
@@ -557,8 +557,8 @@ def test_packed_linear_follows_weight_updates_and_matches_nn_linear():
 def test_packed_linear_bf16_only_with_native_bf16():
     """In bf16 the drafter's Linear packs its weight where the CPU has native bf16 (avx512_bf16 / AMX) and keeps
     F.linear where bf16 is emulated; both give F.linear's product to bf16 rounding."""
-    from pipeline import packed_linear
-    from pipeline.runtime import cpu_has_native_bf16
+    from pipeline.ops import packed_linear
+    from pipeline.core.runtime import cpu_has_native_bf16
 
     torch.manual_seed(0)
     lin = packed_linear.Linear(64, 96).to(torch.bfloat16)
@@ -574,7 +574,7 @@ def test_init_layers_from_target_copies_the_last_layers(tmp_path):
     """--init-layers target: drafter layer j starts as target layer L-n+j (projections, MLP, both norms) and the final
     norm as the target's; q/k norms (absent in Llama) stay at 1; the same tensors from the module and from its saved
     HF folder; a drafter deeper than the target or of other widths is refused with the reason."""
-    from pipeline.target_weights import TargetWeightsError, load_target_layers
+    from pipeline.dspark.target_weights import TargetWeightsError, load_target_layers
 
     t = tiny_target()  # 4 layers
     with torch.no_grad():

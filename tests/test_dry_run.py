@@ -22,8 +22,8 @@ from jobs import serve as serve_job
 from pipeline.dspark.checkpoint import export_checkpoint
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.launch_plan import MOONCAKE_GPU_PACKAGE, installed_version
-from pipeline.runtime import cpu_has_native_bf16
+from pipeline.launch.launch_plan import MOONCAKE_GPU_PACKAGE, installed_version
+from pipeline.core.runtime import cpu_has_native_bf16
 from serve_app.app import ROUTER_CLASS, vllm_class_fields
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -311,7 +311,7 @@ PLACE_WITH_PLAN = r"""
 import json, sys
 import ray
 from ray.cluster_utils import Cluster
-from pipeline.runtime import LOOPBACK, apply_env
+from pipeline.core.runtime import LOOPBACK, apply_env
 
 apply_env()
 plan = json.loads(sys.stdin.read())

@@ -12,10 +12,11 @@ import torch
 
 from jobs.train import main
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.runtime import PROJECT_ROOT
-from pipeline.shards import ShardSet
+from pipeline.core.runtime import PROJECT_ROOT
+from pipeline.data.shards import ShardSet
 from pipeline.stores import DiskHiddenStore
-from pipeline.training import LOCAL_CHECKPOINTS, STATE_FILE, latest_checkpoint, read_learning_curve
+from pipeline.train.config import LOCAL_CHECKPOINTS, STATE_FILE
+from pipeline.train.metrics import latest_checkpoint, read_learning_curve
 from tiny_training import build_tiny_training_set, losses_by_step, preempt_and_resume, train_args
 
 
@@ -157,7 +158,7 @@ def test_local_backend_runs_stages_one_and_two_in_process(target_dir, tmp_path):
     """--backend local --prompts on the real target: greedy responses (transformers) and their hidden states in this
     process, written in the stage formats (responses Parquet, a disk store naming them), then a short training run
     on them; a second call reuses the finished store."""
-    args = ["--backend", "local", "--device", "cpu", "--prompts", str(PROJECT_ROOT / "pipeline/assets/"
+    args = ["--backend", "local", "--device", "cpu", "--prompts", str(PROJECT_ROOT / "pipeline/data/assets/"
                                                                       "miniature_prompts.jsonl"),
             "--limit-per-file", "5", "--max-new-tokens", "12", "--gen-batch", "5", "--target", str(target_dir),
             "--data", str(tmp_path / "hidden"), "--out", str(tmp_path / "run"), "--num-layers", "1",
@@ -206,8 +207,9 @@ def test_local_backend_on_cuda_resumes_and_matches_cpu(tiny_setup, tmp_path):
 def test_mix_trains_on_chosen_sources_and_counts():
     """--mix SOURCE[:COUNT]: only those sources, each source's training ids cut to COUNT by a fixed seeded subset (a
     larger COUNT keeps the smaller one's ids); held-out ids from the same sources; bad entries name the problem."""
-    from pipeline.subsets import cut_to_mix, parse_mix
-    from pipeline.training import TrainConfig, split_ids, training_split
+    from pipeline.data.subsets import cut_to_mix, parse_mix
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.dataset import split_ids, training_split
 
     ids = [f"{tag}:{i}" for tag in ("math", "code", "chat") for i in range(1, 41)]
     assert parse_mix(["math:10", "chat"]) == {"math": 10, "chat": None}

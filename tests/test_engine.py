@@ -8,10 +8,11 @@ import torch
 
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.sampling import SamplingParams, probs_from_logits
-from pipeline.scheduler import CostTable, FixedDepth
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.ops.sampling import SamplingParams, probs_from_logits
+from pipeline.engine.cost_table import CostTable
+from pipeline.engine.scheduler import FixedDepth
+from pipeline.engine.target_runner import TargetRunner
 from toy_drafter import (CharTokenizer, chi2_pvalue, greedy_reference, joint_counts, make_toy_drafter,
                          one_thread, tiny_llama)
 

@@ -39,9 +39,9 @@ def bench_file(tmp_path_factory):
 def test_evaluate_side_by_side_lossless(smol_drafter, bench_file, target_dir, tmp_path):
     from jobs.evaluate import main
 
-    from pipeline.config_cli import parse_config
-    from pipeline.evaluation import EvalConfig, planned_systems
-    from pipeline.scheduler import CostTable
+    from pipeline.core.config_cli import parse_config
+    from pipeline.eval.evaluation import EvalConfig, planned_systems
+    from pipeline.engine.cost_table import CostTable
 
     cost = tmp_path / "cost.json"
     CostTable({1: 0.040, 8: 0.055, 64: 0.15}).save(cost)
@@ -88,7 +88,7 @@ def test_reliability_plot_without_full_depth_rounds_says_so(tmp_path):
     matplotlib has no empty legend to warn about."""
     import warnings
 
-    from pipeline.evaluation import plot_reliability
+    from pipeline.eval.evaluation import plot_reliability
 
     png = tmp_path / "reliability.png"
     with warnings.catch_warnings():
@@ -102,7 +102,7 @@ def _training_run_with_holdout(tmp_path, prompt_ids: dict[str, list[int]], holdo
     whose manifest names the responses folder) over a small responses store."""
     import pyarrow as pa
 
-    from pipeline.shards import ShardSet
+    from pipeline.data.shards import ShardSet
 
     resp = tmp_path / "responses"
     ShardSet(resp, "request_id").write_shard(pa.table({
@@ -117,8 +117,8 @@ def _training_run_with_holdout(tmp_path, prompt_ids: dict[str, list[int]], holdo
 
 
 def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
-    from pipeline.sts_rollouts import CalibrateConfig, heldout_prompts
-    from pipeline.evaluation import load_heldout_suites
+    from pipeline.eval.sts_rollouts import CalibrateConfig, heldout_prompts
+    from pipeline.eval.evaluation import load_heldout_suites
 
     ids = {f"{tag}:{i}": [i, i + 1, i + 2] for tag in ("math", "code") for i in range(1, 6)}
     run, resp = _training_run_with_holdout(tmp_path, ids, ["math:2", "math:4", "code:1", "code:3", "code:5"])
@@ -137,8 +137,8 @@ def test_heldout_suites_group_by_source_file_and_find_their_responses(tmp_path):
 def test_heldout_subsets_draw_from_every_source_file(tmp_path):
     """"At most N held-out samples" (calibration's --limit, the learning curve's --eval-samples) is a fixed seeded
     subset, not the first N of the store's order or of the sorted ids, which would all come from one prompt file."""
-    from pipeline.sts_rollouts import CalibrateConfig, heldout_prompts
-    from pipeline.training import heldout_eval_ids
+    from pipeline.eval.sts_rollouts import CalibrateConfig, heldout_prompts
+    from pipeline.train.dataset import heldout_eval_ids
 
     ids = {f"{tag}:{i}": [k, i] for k, tag in enumerate(("arena", "math")) for i in range(10, 30)}
     run, _ = _training_run_with_holdout(tmp_path, ids, list(ids))
@@ -153,7 +153,7 @@ def test_heldout_subsets_draw_from_every_source_file(tmp_path):
 
 
 def test_heldout_suites_name_what_is_missing(tmp_path):
-    from pipeline.evaluation import EvalConfig, load_heldout_suites, run_evaluation
+    from pipeline.eval.evaluation import EvalConfig, load_heldout_suites, run_evaluation
 
     with pytest.raises(FileNotFoundError, match="plan.json missing"):
         load_heldout_suites(tmp_path, None, 8)
@@ -178,7 +178,7 @@ def test_evaluate_on_a_training_runs_heldout_prompts(smol_drafter, target_dir, t
     from transformers import AutoTokenizer
 
     from jobs.evaluate import main
-    from pipeline.prompts import chat_prompt_ids
+    from pipeline.data.prompts import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     texts = {"math:1": "What is 3 + 4?", "math:2": "What is 5 * 6?", "code:1": "Write hello world in Python."}
@@ -202,8 +202,8 @@ def test_evaluate_on_a_training_runs_heldout_prompts(smol_drafter, target_dir, t
 
 def test_a_scheduler_named_twice_runs_once():
     """The recipe adds --also-schedulers hardware; a user's --eval-args naming it again must not run it twice."""
-    from pipeline.config_cli import parse_config
-    from pipeline.evaluation import EvalConfig, planned_systems
+    from pipeline.core.config_cli import parse_config
+    from pipeline.eval.evaluation import EvalConfig, planned_systems
 
     cfg = parse_config(EvalConfig, ["--scheduler", "fixed", "--also-schedulers", "hardware", "--also-schedulers",
                                     "hardware", "fixed", "--vllm-baselines", "none"])
@@ -213,7 +213,7 @@ def test_a_scheduler_named_twice_runs_once():
 
 def test_drafter_dtype_follows_a_bf16_target_where_bf16_is_native(monkeypatch):
     """--drafter-dtype auto: bf16 only with a bf16 verification target on a device with native bf16."""
-    import pipeline.evaluation as ev
+    import pipeline.eval.evaluation as ev
 
     monkeypatch.setattr(ev, "cpu_has_native_bf16", lambda: True)
     assert ev.resolve_drafter_dtype("auto", "bfloat16:packed", "cpu") == torch.bfloat16

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import small_m_linear
-from pipeline.file_lock import LockTimeout, atomic_write_text, file_lock, sweep_temporaries
+from pipeline.ops import extensions, small_m_linear
+from pipeline.core.file_lock import LockTimeout, atomic_write_text, file_lock, sweep_temporaries
 
 ROOT = Path(__file__).resolve().parent.parent
-HOLD = ("import sys, time; from pipeline.file_lock import file_lock\n"
+HOLD = ("import sys, time; from pipeline.core.file_lock import file_lock\n"
         "with file_lock(sys.argv[1], timeout_s=5):\n"
         "    print('held', flush=True); time.sleep(600)\n")
 
@@ -84,8 +84,8 @@ def _probe(ext_dir: Path, timeout: float, **env) -> tuple[bool, float, str]:
 
 def _finished_copy(tmp_path: Path) -> tuple[Path, Path]:
     """A copy of this machine's finished kernel build in a folder of the test's own."""
-    name, folder = small_m_linear.build_paths()
-    assert small_m_linear._finished(folder, name) is not None
+    name, folder = small_m_linear.EXT.build_paths()
+    assert small_m_linear.EXT.finished(folder, name) is not None
     ext = tmp_path / "ext"
     shutil.copytree(folder, ext / folder.name)
     return ext, ext / folder.name
@@ -106,7 +106,7 @@ def test_live_build_lock_gives_a_named_error_within_the_bound(tmp_path):
     """A build that another live process holds longer than DSPARK_KERNEL_LOCK_TIMEOUT_S: the kernel is reported
     unavailable with the reason (the other back ends stay usable), never an open-ended wait."""
     ext, folder = _finished_copy(tmp_path)
-    (folder / small_m_linear.BUILT).unlink()  # not finished: this process would have to build it
+    (folder / extensions.BUILT).unlink()  # not finished: this process would have to build it
     p = _holder(folder.with_name(folder.name + ".lock"))
     try:
         ok, secs, reason = _probe(ext, timeout=60, DSPARK_KERNEL_LOCK_TIMEOUT_S="1")
@@ -122,7 +122,7 @@ def test_half_written_build_under_a_killed_holder_is_rebuilt(tmp_path):
     """The issue's case: a start killed while building leaves torch's ``lock`` and a build folder without
     ``built.json`` (and its holder of the project lock dies).  The next start rebuilds and loads the kernel."""
     ext, folder = _finished_copy(tmp_path)
-    (folder / small_m_linear.BUILT).unlink()
+    (folder / extensions.BUILT).unlink()
     (folder / "lock").write_text("")
     for so in folder.glob("*.so"):
         so.write_bytes(so.read_bytes()[:1000])  # a library cut short
@@ -131,6 +131,6 @@ def test_half_written_build_under_a_killed_holder_is_rebuilt(tmp_path):
     p.wait()
     ok, secs, reason = _probe(ext, timeout=600)
     assert ok, reason
-    name = small_m_linear.build_paths()[0]
-    assert small_m_linear._finished(folder, name) is not None and not (folder / "lock").exists()
+    name = small_m_linear.EXT.build_paths()[0]
+    assert small_m_linear.EXT.finished(folder, name) is not None and not (folder / "lock").exists()
     assert not list(ext.glob("*.tmp-*"))  # the build's temporary folder was renamed into place

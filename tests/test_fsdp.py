@@ -1,4 +1,4 @@
-"""jobs.train --fsdp (pipeline/fsdp_sharding.py): the drafter sharded over 2 Ray Train CPU workers (gloo) with FSDP2
+"""jobs.train --fsdp (pipeline/train/fsdp.py): the drafter sharded over 2 Ray Train CPU workers (gloo) with FSDP2
 trains exactly like the replicated (DDP-equivalent) run on the same data - the same losses and the same gradient
 norms, so the gradients are summed over the workers, not averaged - writes the same checkpoint (format and
 values), resumes after a preemption exactly, and exports a drafter that loads; --backend local --fsdp is a usage
@@ -14,8 +14,9 @@ from pipeline.dspark.checkpoint import load_drafter
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.losses import LossConfig, TargetHead
 from pipeline.stores import DiskHiddenStore
-from pipeline.target_weights import load_target_weights
-from pipeline.training import STATE_FILE, TrainConfig, accumulate_gradients, build_drafter_config, step_blocks
+from pipeline.dspark.target_weights import load_target_weights
+from pipeline.train.config import STATE_FILE, TrainConfig, build_drafter_config
+from pipeline.train.step import accumulate_gradients, step_blocks
 from tiny_training import build_tiny_training_set, preempt_and_resume, train_args
 
 TWO_WORKERS = ("--workers", "2", "--markov-w1", "embedding", "--feature-noise", "0.1")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.prompts import DEFAULT_PROMPTS
-from pipeline.target_model import find_smollm2_gguf
+from pipeline.data.prompts import DEFAULT_PROMPTS
+from pipeline.data.target_model import find_smollm2_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_scale.sh"

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from pipeline.dspark.checkpoint import export_checkpoint
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.config import DrafterConfig
-from pipeline.sampling import SamplingParams
+from pipeline.ops.sampling import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime import LOOPBACK, apply_env, ray_start_head_command
+from pipeline.core.runtime import LOOPBACK, apply_env, ray_start_head_command
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,13 +3,15 @@
     jobs  ->  serve_app, actors  ->  pipeline
 
 pipeline never imports actors / serve_app / jobs; actors and serve_app never import jobs; serve_app and actors do
-not import each other.  Project modules import each other at module level only (an in-function import of a project
+not import each other.  Inside pipeline the subpackages have floors of their own (``PIPELINE_ALLOWED``, each
+subpackage's ``__init__`` docstring says the same): core at the bottom, then ops, data, dspark, stores; the engine
+(no training or evaluation code), train, eval; launch on top.  Project modules import each other at module level only (an in-function import of a project
 module hides a cycle or an upward import); in-function imports are for heavy optional dependencies (ray, vllm,
 mooncake, matplotlib, transformers, ...), which this test does not restrict -- nor the lazy import of a project
 module that itself loads ray, vllm or mooncake at import time (``serve_app.replica`` brings Ray Serve, so the
 config / --dry-run path of ``serve_app.app`` imports it only when an application is built).  The entry points in
 ``jobs`` import the project where they run, so that their start stays light: ``python -m jobs.X`` re-execs itself
-with its start-only settings before torch is loaded (pipeline.runtime.reexec_for_process_env), and
+with its start-only settings before torch is loaded (pipeline.core.runtime.reexec_for_process_env), and
 ``python -m jobs.bench --help`` lists every benchmark without importing what they measure.
 """
 from __future__ import annotations
@@ -25,6 +27,20 @@ ALLOWED = {
     "actors": {"actors", "pipeline"},
     "serve_app": {"serve_app", "pipeline"},
     "jobs": {"jobs", "serve_app", "actors", "pipeline"},
+}
+
+
+# which pipeline subpackages each pipeline subpackage may import (itself included)
+PIPELINE_ALLOWED = {
+    "core": {"core"},
+    "ops": {"core", "ops"},
+    "data": {"core", "data"},
+    "dspark": {"core", "ops", "data", "dspark"},
+    "stores": {"core", "data", "stores"},
+    "engine": {"core", "ops", "data", "dspark", "engine"},
+    "train": {"core", "ops", "data", "dspark", "stores", "train"},
+    "eval": {"core", "ops", "data", "dspark", "stores", "engine", "eval"},
+    "launch": {"core", "ops", "data", "dspark", "stores", "engine", "train", "eval", "launch"},
 }
 
 
@@ -163,10 +179,23 @@ def test_imports_flow_one_way():
     assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
 
 
+def test_pipeline_subpackages_keep_their_floors():
+    """e.g. the engine imports no training code and dspark no engine code; pipeline/ holds subpackages only."""
+    loose = [p.name for p in (ROOT / "pipeline").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules directly in pipeline/ (put them in the subpackage of their concern): {loose}"
+    assert set(PIPELINE_ALLOWED) == {p.name for p in (ROOT / "pipeline").iterdir()
+                                     if (p / "__init__.py").is_file()}, "a subpackage without a rule"
+    top, nested = import_edges()
+    edges = [(m, d) for m, ds in top.items() for d in ds] + [(m, d) for m, _, d, _ in nested]
+    bad = sorted({f"{m} imports {d}" for m, d in edges if m.startswith("pipeline.") and d.startswith("pipeline.")
+                  and d.split(".")[1] not in PIPELINE_ALLOWED[m.split(".")[1]]})
+    assert not bad, "imports across pipeline's floors:\n" + "\n".join(bad)
+
+
 def test_heavy_modules_are_found():
     heavy = heavy_modules()
     assert {"serve_app.replica", "actors.cpu_hidden_states_connector"} <= heavy  # ray.serve / vllm at import
-    assert "pipeline.dspark.drafter" not in heavy and "pipeline.engine" not in heavy
+    assert "pipeline.dspark.drafter" not in heavy and "pipeline.engine.engine" not in heavy
 
 
 def test_project_imports_are_at_module_level():

@@ -1,9 +1,9 @@
-"""Stage 1 in one process (pipeline/local_stages.py): greedy responses in batches of similar-length prompts, and the
+"""Stage 1 in one process (pipeline/train/local_stages.py): greedy responses in batches of similar-length prompts, and the
 wall-clock cap that leaves whole batches out."""
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.local_stages import generate_responses
+from pipeline.train.local_stages import generate_responses
 from tests.tiny_target import tiny_target
 
 

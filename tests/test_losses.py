@@ -53,7 +53,7 @@ def test_chunked_target_probs_equal_unchunked(nd):
 
 def test_cached_lse_alone_reproduces_the_target_distribution():
     """A store keeps only the full-vocabulary lse per token; p_t on V_d and the mass outside follow from it."""
-    from pipeline.stores.base import full_vocab_lse
+    from pipeline.ops.layers import full_vocab_lse
 
     torch.manual_seed(0)
     W = torch.randn(V, 16)
@@ -188,7 +188,7 @@ def test_drafter_loss_uses_each_position_once_and_matches_direct_computation():
     w = position_weights(G)[slot]
     torch.testing.assert_close(out.parts["dist"], (w * l1).sum() / w.sum(), atol=1e-5, rtol=1e-5)
     # the store's cached full-vocabulary lse (no full-vocabulary pass in training) gives the same loss
-    from pipeline.stores.base import full_vocab_lse
+    from pipeline.ops.layers import full_vocab_lse
 
     lse = torch.stack([full_vocab_lse(last[i], target.lm_head.weight) for i in range(2)])
     cached = drafter_loss(m, th, aux, seq, last, blocks, LossConfig(), target_stats=(lse, None))
@@ -197,10 +197,10 @@ def test_drafter_loss_uses_each_position_once_and_matches_direct_computation():
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_micro_batched_step_equals_per_sequence_loop(kind):
-    """pipeline.training.accumulate_gradients: right-padded micro-batches of sequences of DIFFERENT lengths give the
+    """pipeline.train.step.accumulate_gradients: right-padded micro-batches of sequences of DIFFERENT lengths give the
     same loss parts and gradients as one sequence at a time (padding is never read)."""
-    from pipeline.stores.base import full_vocab_lse
-    from pipeline.training import accumulate_gradients
+    from pipeline.ops.layers import full_vocab_lse
+    from pipeline.train.step import accumulate_gradients
 
     target = tiny_target()
     samples = []
@@ -245,7 +245,7 @@ def test_micro_batched_step_equals_per_sequence_loop(kind):
 def test_feature_noise_scales_with_each_layer_rms():
     """noisy_features: noise std = rel_std x the per-token RMS of each injected layer's slice (layers differ in
     scale), reproducible from the generator, input left untouched."""
-    from pipeline.training import noisy_features
+    from pipeline.train.step import noisy_features
 
     d, T = 64, 4000
     scales = torch.tensor([0.5, 3.0, 20.0])  # three injected layers of very different magnitude

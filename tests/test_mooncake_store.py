@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipeline.runtime import apply_env  # noqa: E402
+from pipeline.core.runtime import apply_env
 
 apply_env()
 

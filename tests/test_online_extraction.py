@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 CONSUMER = textwrap.dedent("""
     import hashlib, json, sys
-    from pipeline.runtime import apply_env; apply_env()
+    from pipeline.core.runtime import apply_env; apply_env()
     from pipeline.stores.mooncake import MooncakeHiddenStore
     ep, prefix, keys = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     store = MooncakeHiddenStore(prefix, ep)
@@ -48,7 +48,7 @@ def _digest(s):
 def test_online_extraction_two_consumers(ray_session, target_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from pipeline.prompts import chat_prompt_ids
+    from pipeline.data.prompts import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     reqs = []

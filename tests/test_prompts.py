@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from pipeline.prompts import DEFAULT_PROMPTS, read_prompt_files
-from pipeline.target_model import default_aux_layer_ids, parse_layer_ids
+from pipeline.data.prompts import DEFAULT_PROMPTS, read_prompt_files
+from pipeline.dspark.config import dflash_layer_ids, parse_layer_ids
 
 
 def test_shipped_prompts_readable():
@@ -39,8 +39,8 @@ def test_limit_and_duplicate_stems(tmp_path):
 
 def test_layer_id_rule():
     # DeepSpec's 0-based ids for Qwen3-8B (L=36, n=5) are [1, 9, 17, 25, 33]; ours are +1
-    assert default_aux_layer_ids(36, 5) == [2, 10, 18, 26, 34]
-    assert default_aux_layer_ids(30, 3) == [2, 15, 28]
+    assert dflash_layer_ids(36, 5) == [2, 10, 18, 26, 34]
+    assert dflash_layer_ids(30, 3) == [2, 15, 28]
     with pytest.raises(ValueError, match="strictly increasing"):
         parse_layer_ids("3,2", 30)
     with pytest.raises(ValueError, match=r"\[0, 30\]"):

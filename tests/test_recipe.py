@@ -1,11 +1,11 @@
-"""The recipe's prompt mix and time budget (pipeline/recipe.py) and the job's usage errors (jobs.recipe)."""
+"""The recipe's prompt mix and time budget (pipeline/launch/recipe.py) and the job's usage errors (jobs.recipe)."""
 import json
 
 import pytest
 
-from pipeline.prompts import read_prompt_files
-from pipeline.recipe import (BudgetSplit, decode_seconds, next_growth, parse_mix, plan_budget, round_cost,
-                             probe_step_seconds, steps_that_fit, training_seconds, write_mix)
+from pipeline.data.prompts import read_prompt_files
+from pipeline.launch.recipe import (BudgetSplit, decode_seconds, next_growth, parse_mix, plan_budget, round_cost,
+                                    probe_step_seconds, steps_that_fit, training_seconds, write_mix)
 
 
 def _prompts(path, n, bad_lines=()):

@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
-from pipeline.rejection_sampler import (RejectionSampler, block_weights, expand_draft_probs, token_wise_verify)
-from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
+from pipeline.engine.rejection_sampler import RejectionSampler, block_weights, expand_draft_probs, token_wise_verify
+from pipeline.ops.sampling import SamplingParams, probs_from_logits, sample_from_probs
 from toy_drafter import chi2_pvalue
 
 
@@ -279,7 +279,7 @@ def _probs_reference(logits, params):
 
 
 def test_probs_from_logits_fast_paths_match_full_sort():
-    import pipeline.sampling as S
+    import pipeline.ops.sampling as S
 
     g = torch.Generator().manual_seed(0)
     cases = []

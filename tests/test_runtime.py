@@ -1,4 +1,4 @@
-"""pipeline.runtime: start-only settings reach a job's own process through one re-exec."""
+"""pipeline.core.runtime: start-only settings reach a job's own process through one re-exec."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = r"""
 import sys
-from pipeline.runtime import reexec_for_process_env, _environment_at_start
+from pipeline.core.runtime import reexec_for_process_env, _environment_at_start
 print("BEFORE", flush=True)
 reexec_for_process_env()
 print("AT_START", _environment_at_start().get("GLIBC_TUNABLES"), "ARGV", sys.argv[1:], flush=True)
@@ -26,7 +26,7 @@ def _run(extra_env: dict, drop=("GLIBC_TUNABLES", "DSPARK_NO_REEXEC", "_DSPARK_R
 
 
 def test_reexec_gives_the_process_its_start_only_env():
-    from pipeline.runtime import _DEFAULTS
+    from pipeline.core.runtime import _DEFAULTS
 
     out = _run({})
     assert out.count("BEFORE") == 2  # ran once without, then once more after the exec

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.rejection_sampler import RejectionSampler
-from pipeline.sampling import SamplingParams
+from pipeline.engine.rejection_sampler import RejectionSampler
+from pipeline.ops.sampling import SamplingParams
 from pipeline.dspark.calibration import OnlineCalibration
-from pipeline.scheduler import (AsyncCapacity, CostTable, FixedDepth, HardwareAwarePrefix, LiveRoundCost,
-                                StaticThreshold, gain_bucket, make_scheduler, sorted_candidates, survival)
+from pipeline.engine.scheduler import (AsyncCapacity, FixedDepth, Algorithm1, LiveRoundCost, StaticThreshold,
+                                       gain_bucket, make_scheduler, sorted_candidates, survival)
+from pipeline.engine.cost_table import CostTable
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +49,7 @@ def test_cost_table_interpolation_and_roundtrip(tmp_path):
 
 
 def test_cost_table_profile_times_the_runner():
-    from pipeline.target_runner import TargetRunner
+    from pipeline.engine.target_runner import TargetRunner
     from toy_drafter import tiny_llama
 
     r = TargetRunner(tiny_llama(), "float32", device="cpu", max_seq_len=128)
@@ -60,8 +61,8 @@ def test_cost_table_profile_times_the_runner():
 
 def test_implausible_profiles_are_measured_again(tmp_path):
     """A cached table caught under contention (1 token slower than 16) is replaced by a fresh profile."""
-    from serve_app.replica import MAX_INVERSION, ReplicaOptions, cost_table_key, load_or_profile_cost_table
-    from pipeline.target_runner import TargetRunner
+    from pipeline.engine.cost_table import MAX_INVERSION, ProfileSpec, cost_table_key, load_or_profile_cost_table
+    from pipeline.engine.target_runner import TargetRunner
     from toy_drafter import tiny_llama
 
     assert CostTable({1: 0.1, 2: 0.15, 8: 0.2}).inversion() == 0.0
@@ -69,8 +70,8 @@ def test_implausible_profiles_are_measured_again(tmp_path):
     assert bad.inversion() == pytest.approx(1.72 / 1.09 - 1) and bad.inversion() > MAX_INVERSION
     target = tmp_path / "target"
     tiny_llama().save_pretrained(target)
-    opts = ReplicaOptions(target=str(target), cache_dir=str(tmp_path / "cache"), profile_batch_sizes=[1, 2, 4],
-                          profile_context_len=8, profile_repeats=1)
+    opts = ProfileSpec(target=str(target), cache_dir=str(tmp_path / "cache"), batch_sizes=[1, 2, 4], context_len=8,
+                       repeats=1)
     runner = TargetRunner.from_pretrained(str(target), "float32", device="cpu")
     path = tmp_path / "cache" / f"sps-{cost_table_key(opts, 4, runner.linear_backend)}.json"
     assert cost_table_key(opts, 4, "packed") != cost_table_key(opts, 4, "smallm")  # each back end its own curve
@@ -84,8 +85,8 @@ def test_implausible_profiles_are_measured_again(tmp_path):
 def test_a_reproduced_inversion_is_kept_as_the_hardware_curve(tmp_path, monkeypatch):
     """Two profiles that agree on a non-monotone curve (MKL's slow 1-2 row GEMM on an AMD EPYC): kept after the
     second attempt, cached, and loaded next time without profiling again."""
-    from serve_app import replica
-    from serve_app.replica import ReplicaOptions, cost_table_key, load_or_profile_cost_table, same_shape
+    from pipeline.engine import cost_table
+    from pipeline.engine.cost_table import ProfileSpec, cost_table_key, load_or_profile_cost_table, same_shape
 
     curves = iter([{1: 0.057, 2: 0.100, 4: 0.041, 8: 0.044}, {1: 0.060, 2: 0.105, 4: 0.043, 8: 0.045},
                    {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.013}])
@@ -95,12 +96,12 @@ def test_a_reproduced_inversion_is_kept_as_the_hardware_curve(tmp_path, monkeypa
         calls.append(kw)
         return CostTable(next(curves))
 
-    monkeypatch.setattr(replica.CostTable, "profile", staticmethod(fake_profile))
+    monkeypatch.setattr(cost_table.CostTable, "profile", staticmethod(fake_profile))
     assert same_shape(CostTable({1: 1.0, 2: 2.0}), CostTable({1: 1.1, 2: 1.9}))
     assert not same_shape(CostTable({1: 1.0, 2: 2.0}), CostTable({1: 1.0, 2: 2.5}))
     target = tmp_path / "target"
     target.mkdir()
-    opts = ReplicaOptions(target=str(target), cache_dir=str(tmp_path / "cache"), profile_batch_sizes=[1, 2, 4, 8])
+    opts = ProfileSpec(target=str(target), cache_dir=str(tmp_path / "cache"), batch_sizes=[1, 2, 4, 8])
     table, path, profiled = load_or_profile_cost_table(None, opts, 8)
     assert profiled and len(calls) == 2 and table.meta["inversion_reproduced"]
     assert table.step_time(1) == pytest.approx(0.060) and table.verify_time(1) == pytest.approx(0.043)
@@ -116,15 +117,15 @@ def test_sps_profile_lock_is_bounded_and_dies_with_its_holder(tmp_path, monkeypa
     import subprocess
     import sys
 
-    from pipeline.file_lock import LockTimeout
-    from serve_app import replica
-    from serve_app.replica import PROFILE_LOCK, ReplicaOptions, load_or_profile_cost_table
+    from pipeline.core.file_lock import LockTimeout
+    from pipeline.engine import cost_table
+    from pipeline.engine.cost_table import PROFILE_LOCK, ProfileSpec, load_or_profile_cost_table
 
-    monkeypatch.setattr(replica.CostTable, "profile", staticmethod(lambda runner, **kw: CostTable({1: 0.01, 2: 0.012})))
+    monkeypatch.setattr(cost_table.CostTable, "profile", staticmethod(lambda runner, **kw: CostTable({1: 0.01, 2: 0.012})))
     target = tmp_path / "target"
     target.mkdir()
-    opts = ReplicaOptions(target=str(target), cache_dir=str(tmp_path / "cache"), profile_batch_sizes=[1, 2])
-    hold = ("import sys, time; from pipeline.file_lock import file_lock\n"
+    opts = ProfileSpec(target=str(target), cache_dir=str(tmp_path / "cache"), batch_sizes=[1, 2])
+    hold = ("import sys, time; from pipeline.core.file_lock import file_lock\n"
             "with file_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)\n")
     (tmp_path / "cache").mkdir()
     p = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "cache" / PROFILE_LOCK)], stdout=subprocess.PIPE,
@@ -189,7 +190,7 @@ def test_hardware_aware_matches_literal_algorithm(seed):
     md = torch.randint(0, gam + 1, (R,), generator=g).tolist()
     # a realistic non-flat curve: ~flat up to 8 tokens, then growing
     ct = CostTable({1: 0.042, 2: 0.045, 4: 0.047, 8: 0.05, 16: 0.07, 32: 0.12, 64: 0.21})
-    got = HardwareAwarePrefix(ct).schedule(Z(c), md)
+    got = Algorithm1(ct).schedule(Z(c), md)
     assert got == algorithm1_reference(c, ct.sps, md)
     assert all(0 <= d <= m for d, m in zip(got, md))
 
@@ -197,12 +198,12 @@ def test_hardware_aware_matches_literal_algorithm(seed):
 def test_hardware_aware_handworked():
     # SPS flat up to 4 tokens then halves: one request, c = (0.9, 0.8, 0.5)
     ct = CostTable.from_sps({1: 10.0, 4: 10.0, 5: 5.0})
-    d = HardwareAwarePrefix(ct).schedule(Z([[0.9, 0.8, 0.5]]), [3])
+    d = Algorithm1(ct).schedule(Z([[0.9, 0.8, 0.5]]), [3])
     assert d == [3]  # all three fit in B <= 4 and each raises tau
     ct2 = CostTable.from_sps({1: 10.0, 2: 10.0, 3: 5.0})
-    assert HardwareAwarePrefix(ct2).schedule(Z([[0.9, 0.8, 0.5]]), [3]) == [1]  # the B=3 cliff stops it
+    assert Algorithm1(ct2).schedule(Z([[0.9, 0.8, 0.5]]), [3]) == [1]  # the B=3 cliff stops it
     # load: two requests share the flat region; the higher-survival candidates win
-    d = HardwareAwarePrefix(ct).schedule(Z([[0.9, 0.9, 0.9], [0.6, 0.9, 0.9]]), [3, 3])
+    d = Algorithm1(ct).schedule(Z([[0.9, 0.9, 0.9], [0.6, 0.9, 0.9]]), [3, 3])
     assert d == [2, 0]  # B = 2 + 2 = 4: (0,1)=.9, (0,2)=.81 admitted; (0,3)=.729 would need B=5 -> stop
 
 
@@ -219,8 +220,8 @@ def test_calibration_temperatures_used():
     ct = CostTable.from_sps({1: 1.0, 2: 0.62})
     z = Z([[0.7]])
     # raw c = 0.7: tau 1.7 * 0.62 = 1.054 > 1 -> admitted; sharpened/flattened with T=3 -> c ~ 0.57 -> not admitted
-    assert HardwareAwarePrefix(ct).schedule(z, [1]) == [1]
-    assert HardwareAwarePrefix(ct, temperatures=[3.0]).schedule(z, [1]) == [0]
+    assert Algorithm1(ct).schedule(z, [1]) == [1]
+    assert Algorithm1(ct, temperatures=[3.0]).schedule(z, [1]) == [0]
 
 
 # ------------------------------------------------------------------------------------------------ Appendix A
@@ -249,8 +250,8 @@ def first_token_distribution(depth_of):
 
 
 def test_appendix_a_early_stop_is_lossless_lookahead_is_not():
-    early = HardwareAwarePrefix(SPS_A)
-    look = HardwareAwarePrefix(SPS_A, early_stop=False)
+    early = Algorithm1(SPS_A)
+    look = Algorithm1(SPS_A, early_stop=False)
     conf = {x1: Z([[C1, C2[x1]]]) for x1 in (0, 1)}
     # early stop: admitting x_1 drops Θ from 1.0 to 1.8*0.5 = 0.9 -> stop, whatever x_1 is
     assert [early.schedule(conf[x], [2])[0] for x in (0, 1)] == [0, 0]
@@ -293,7 +294,7 @@ def test_appendix_a_monte_carlo_through_rejection_sampler():
             n0 += r.tokens[0][0] == 0
         return n0 / N
 
-    f_early, f_look = run(HardwareAwarePrefix(SPS_A)), run(HardwareAwarePrefix(SPS_A, early_stop=False))
+    f_early, f_look = run(Algorithm1(SPS_A)), run(Algorithm1(SPS_A, early_stop=False))
     se = math.sqrt(0.7 * 0.3 / N)
     assert abs(f_early - 0.7) < 4 * se
     assert abs(f_look - 0.85) < 4 * math.sqrt(0.85 * 0.15 / N)
@@ -341,7 +342,7 @@ def test_drafting_skipped_only_when_nothing_can_be_verified():
 
 def test_hardware_prefix_backs_off_after_a_round_that_admitted_nothing():
     ct = CostTable.from_sps([1.0, 0.9, 0.85, 0.8])  # low-confidence drafts are not worth verifying, sure ones are
-    s = HardwareAwarePrefix(ct, refresh_every=3)
+    s = Algorithm1(ct, refresh_every=3)
     assert s.draft_this_round(1)  # no history yet
     assert s.schedule(Z([[0.05, 0.05, 0.05]]), [3]) == [0]
     # nothing admitted: two rounds without drafting, then one drafts again to look
@@ -352,20 +353,20 @@ def test_hardware_prefix_backs_off_after_a_round_that_admitted_nothing():
     assert [s.draft_this_round(1) for _ in range(12)] == [False] * 11 + [True]
     assert s.schedule(Z([[0.99, 0.99, 0.99]]), [3]) != [0]  # worth it now: drafting resumes every round
     assert [s.draft_this_round(1) for _ in range(3)] == [True, True, True]
-    off = HardwareAwarePrefix(ct, refresh_every=1)
+    off = Algorithm1(ct, refresh_every=1)
     off.schedule(Z([[0.05, 0.05, 0.05]]), [3])
     assert off.draft_this_round(1)
     s.schedule(Z([[0.05, 0.05, 0.05]]), [3])
     s.reset()
     assert s.draft_this_round(1)
     with pytest.raises(ValueError):
-        HardwareAwarePrefix(ct, refresh_every=0)
+        Algorithm1(ct, refresh_every=0)
 
 
 def test_make_scheduler():
     ct = CostTable.flat()
     assert isinstance(make_scheduler("fixed", num_speculative_tokens=3), FixedDepth)
-    assert isinstance(make_scheduler("hardware", cost_table=ct), HardwareAwarePrefix)
+    assert isinstance(make_scheduler("hardware", cost_table=ct), Algorithm1)
     assert isinstance(make_scheduler("async", cost_table=ct), AsyncCapacity)
     with pytest.raises(ValueError):
         make_scheduler("hardware")
@@ -379,7 +380,7 @@ def test_drafting_cost_enters_the_objective_and_the_draft_or_not_decision():
     (the drafting cost is sunk and amortised) but the scheduler stops drafting for the next rounds."""
     ct = CostTable({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3})
     half = Z([[0.5, 0.5, 0.5]])  # survival 0.5, 0.25, 0.125
-    s = HardwareAwarePrefix(ct, refresh_every=2, gain_ema=None)  # each round's gain decides the next alone
+    s = Algorithm1(ct, refresh_every=2, gain_ema=None)  # each round's gain decides the next alone
     assert s.schedule(half, [3]) == [2]  # 1.75 / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
     assert s.last_gain == pytest.approx(1.75 / 1.2) and s.draft_this_round(1)
     s.observe_round(1, draft_s=0.6, target_tokens=3, target_s=1.2, round_s=1.8)
@@ -402,7 +403,7 @@ def test_one_unpromising_round_does_not_stop_drafting():
     while rounds that keep promising less than a plain round do."""
     ct = CostTable({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15})
     good, low = Z([[0.9, 0.9, 0.9]]), Z([[0.01, 0.01, 0.01]])
-    per_round, averaged = HardwareAwarePrefix(ct, gain_ema=None), HardwareAwarePrefix(ct)
+    per_round, averaged = Algorithm1(ct, gain_ema=None), Algorithm1(ct)
     for s in (per_round, averaged):
         for _ in range(5):
             s.schedule(good, [3])
@@ -416,14 +417,14 @@ def test_one_unpromising_round_does_not_stop_drafting():
         averaged.schedule(low, [3])
     assert not averaged.draft_this_round(1)
     with pytest.raises(ValueError, match="gain_ema"):
-        HardwareAwarePrefix(ct, gain_ema=0.0)
+        Algorithm1(ct, gain_ema=0.0)
 
 
 def test_averaged_gain_is_kept_per_load():
     """The averaged gain is kept per batch size class: rounds at one user that pay do not keep a 16-request batch,
     where drafting does not pay, drafting for the next rounds (at 16 users the first unpromising rounds back off)."""
     ct = CostTable({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 2.0, 32: 4.0, 64: 8.0, 128: 16.0})
-    s = HardwareAwarePrefix(ct)
+    s = Algorithm1(ct)
     good = Z([[0.9] * 7])
     for _ in range(20):  # one user: drafting pays
         s.schedule(good, [7])
@@ -466,7 +467,7 @@ def test_online_calibration_corrects_an_over_confident_head():
 
     ct = CostTable({1: 1.0, 2: 1.5, 3: 1.6, 4: 1.7})  # the first draft costs half a step, later ones little
     conf = Z([[0.9, 0.9, 0.9]])
-    s = HardwareAwarePrefix(ct, refresh_every=2)
+    s = Algorithm1(ct, refresh_every=2)
     assert s.schedule(conf, [3]) == [3]
     for _ in range(10):
         d = s.schedule(conf, [3])
@@ -477,12 +478,12 @@ def test_online_calibration_corrects_an_over_confident_head():
         s.observe_acceptance(d, [0] if d[0] else [])
         s.observe_round(1, draft_s=0.2, target_tokens=1 + d[0], target_s=1.0, round_s=1.2)
     assert not s.draft_this_round(1)
-    honest = HardwareAwarePrefix(ct, refresh_every=2)
+    honest = Algorithm1(ct, refresh_every=2)
     for i in range(10):
         d = honest.schedule(conf, [3])
         honest.observe_acceptance(d, [3 if i % 10 < 7 else 0])  # accepted ~ as predicted (0.9, 0.81, 0.73)
     assert honest.schedule(conf, [3]) == [3] and honest.draft_this_round(1)
-    off = HardwareAwarePrefix(ct, online_calibration=False)
+    off = Algorithm1(ct, online_calibration=False)
     for _ in range(10):
         off.observe_acceptance(off.schedule(conf, [3]), [0])
     assert off.schedule(conf, [3]) == [3]
@@ -505,9 +506,9 @@ def test_verification_priced_at_the_cheapest_larger_batch():
     assert ct.verify_time(8) == pytest.approx(0.044) and ct.step_time(1) == pytest.approx(0.057)
     assert ct.verify_time(100) == pytest.approx(ct.step_time(100))
     fair = [[0.6] * 7]  # survival 0.6, 0.36, 0.22, ...: at B = 2, 1.6 / 0.105 < 1 / 0.057
-    assert HardwareAwarePrefix(ct, online_calibration=False).schedule(Z(fair), [7])[0] >= 4
+    assert Algorithm1(ct, online_calibration=False).schedule(Z(fair), [7])[0] >= 4
     # the paper's search on the raw table: stops at the bump
-    from pipeline.scheduler import greedy_prefix_search
+    from pipeline.engine.scheduler import greedy_prefix_search
     assert greedy_prefix_search(survival(torch.tensor(fair, dtype=torch.float64), [7]), ct)[0] == [0]
 
 
@@ -516,7 +517,7 @@ def test_realized_gain_stops_drafting_the_model_thought_paid():
     rounds as measured say a verifying round took 2.5x a plain one for 2x the tokens.  From the 8th such round the
     scheduler backs off (skips with probes), and resumes once the verifying rounds pay on average."""
     ct = CostTable({16: 1.0, 32: 1.2, 64: 1.6})
-    s = HardwareAwarePrefix(ct, refresh_every=3, online_calibration=False)
+    s = Algorithm1(ct, refresh_every=3, online_calibration=False)
     sure = Z([[0.95] * 3] * 16)
     for _ in range(4):  # plain rounds: 16 tokens in 1.0 s
         s.observe_round(0, 0.0, 16, 1.0, 1.0)

@@ -42,8 +42,9 @@ def _free_port() -> int:
 def test_cluster_load_makes_verification_shallower():
     """Algorithm 1 on hardware shared with other replicas' work (B_0, τ_0): a heavier cluster admits fewer draft
     tokens; the token budget caps B."""
-    from pipeline.scheduler import CostTable, greedy_prefix_search, survival
-    from serve_app.replica import make_load_aware_scheduler
+    from pipeline.engine.cost_table import CostTable
+    from pipeline.engine.scheduler import greedy_prefix_search, survival
+    from pipeline.engine.scheduler import make_load_aware_scheduler
 
     # the measured fp32 curve of docs/environment.md (seconds for B tokens)
     table = CostTable({1: 0.0426, 2: 0.0508, 4: 0.0805, 8: 0.0921, 16: 0.0995, 32: 0.1327, 64: 0.1894})
@@ -135,10 +136,10 @@ def reference(target_dir):
     """The target's own greedy continuation (no drafter, same dtype and EOS set as the replicas)."""
     from transformers import AutoTokenizer
 
-    from pipeline.engine import SpeculativeEngine
-    from pipeline.prompts import chat_prompt_ids, end_of_turn_ids
-    from pipeline.sampling import SamplingParams
-    from pipeline.target_runner import TargetRunner
+    from pipeline.engine.engine import SpeculativeEngine
+    from pipeline.data.prompts import chat_prompt_ids, end_of_turn_ids
+    from pipeline.ops.sampling import SamplingParams
+    from pipeline.engine.target_runner import TargetRunner
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     runner = TargetRunner.from_pretrained(str(target_dir), dtype="float32")

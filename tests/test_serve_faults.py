@@ -25,10 +25,10 @@ def expected(target_dir):
     """The target's own greedy continuation of the chat prompt (fp32, no drafter)."""
     from transformers import AutoTokenizer
 
-    from pipeline.engine import SpeculativeEngine
-    from pipeline.prompts import chat_prompt_ids, end_of_turn_ids
-    from pipeline.sampling import SamplingParams
-    from pipeline.target_runner import TargetRunner
+    from pipeline.engine.engine import SpeculativeEngine
+    from pipeline.data.prompts import chat_prompt_ids, end_of_turn_ids
+    from pipeline.ops.sampling import SamplingParams
+    from pipeline.engine.target_runner import TargetRunner
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     runner = TargetRunner.from_pretrained(str(target_dir), dtype="float32")

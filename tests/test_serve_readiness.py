@@ -49,8 +49,8 @@ def serve_cluster(ray_session):
 
 def _held_profile_lock(cache_dir, release: threading.Event, held: threading.Event):
     """Hold the SPS profile lock (as a co-located profiling replica would) until ``release`` is set."""
-    from pipeline.file_lock import file_lock
-    from serve_app.replica import PROFILE_LOCK
+    from pipeline.core.file_lock import file_lock
+    from pipeline.engine.cost_table import PROFILE_LOCK
 
     with file_lock(cache_dir / PROFILE_LOCK):
         held.set()

@@ -1,4 +1,4 @@
-"""The small-M AVX2 linear kernel (pipeline/small_m_linear.py): same products as F.linear for every row / column
+"""The small-M AVX2 linear kernel (pipeline/ops/small_m_linear.py): same products as F.linear for every row / column
 count and tile remainder, with and without bias, on 1 and 2 threads; refuses what it cannot compute; routed by
 PackedWeight (few rows -> kernel, more -> packed) and by the drafter's Linear at inference."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import packed_linear, small_m_linear
+from pipeline.ops import packed_linear, small_m_linear
 
 pytestmark = pytest.mark.skipif(not small_m_linear.available(),
                                 reason=f"no small-M kernel here: {small_m_linear.unavailable_reason()}")

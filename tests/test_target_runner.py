@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import packed_linear, small_m_linear
-from pipeline.hugepages import HUGE_PAGE, arena_copy, huge_page_fraction, thp_mode
-from pipeline.target_runner import TargetRunner
+from pipeline.ops import packed_linear, small_m_linear
+from pipeline.ops.hugepages import HUGE_PAGE, arena_copy, huge_page_fraction, thp_mode
+from pipeline.engine.target_runner import TargetRunner
 from toy_drafter import one_thread
 
 
@@ -104,7 +104,7 @@ def test_bf16_runner_attention_dtype(layout):
     """A bf16 runner attends over an fp32 KV cache (the bf16-rounded keys and values, wider arithmetic) or a bf16 one:
     both agree with transformers' bf16 forward, in a ragged batch of three requests too; an fp32 runner's cache is
     fp32 and the automatic choice for bf16 is one of the two."""
-    from pipeline.target_runner import fp32_attention_wins
+    from pipeline.engine.target_runner import fp32_attention_wins
 
     m = _model("llama", torch.bfloat16)
     g = torch.Generator().manual_seed(4)
@@ -133,7 +133,7 @@ def test_bf16_runner_attention_dtype(layout):
 def test_bf16_packed_weights():
     """"bfloat16:packed" packs the bf16 layer weights for oneDNN on a CPU with native bf16 (same products as F.linear
     up to the summation order: the logits agree with the F.linear runner's) and is refused by name without it."""
-    from pipeline.runtime import cpu_has_native_bf16
+    from pipeline.core.runtime import cpu_has_native_bf16
 
     if not packed_linear.available():
         pytest.skip("this PyTorch build has no oneDNN packed linear")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime import LOOPBACK, apply_env
+from pipeline.core.runtime import LOOPBACK, apply_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

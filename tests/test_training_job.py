@@ -11,7 +11,7 @@ import torch
 
 from jobs.train import main
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.training import read_learning_curve
+from pipeline.train.metrics import read_learning_curve
 from tiny_training import build_tiny_training_set, losses_by_step as _losses, preempt_and_resume, train_args as _args
 
 
@@ -64,7 +64,7 @@ def test_train_resume_is_exact(ray_session, tiny_setup, tmp_path):
 def test_train_two_workers_dflash(ray_session, tiny_setup, tmp_path, capfd):
     main(_args(tiny_setup, tmp_path / "c", "--workers", "2", "--drafter", "dflash", "--max-steps", "3"))
     # the workers' lines reach the driver through Ray's log monitor: each step line once, and none of Ray Train's
-    # per-report INFO dumps (pipeline.train_backend.quiet_ray_train_reports)
+    # per-report INFO dumps (pipeline.train.ray_train.quiet_ray_train_reports)
     out, deadline = "", time.time() + 10
     while "exported drafter" not in out and time.time() < deadline:
         time.sleep(0.5)
@@ -103,7 +103,7 @@ def test_train_eval_data_curves_per_source_file(tiny_setup, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from jobs.bench.learning_curves import run as curves_run
-    from pipeline.hf_extractor import HFExtractor
+    from pipeline.data.hf_extractor import HFExtractor
     from pipeline.stores.disk import DiskHiddenStore
 
     def eval_store(folder, layers):
@@ -192,7 +192,7 @@ def test_train_workers_listen_on_loopback_only(ray_session, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from pipeline.train_backend import LoopbackTorchConfig  # imports ray
+    from pipeline.train.ray_train import LoopbackTorchConfig
 
     def all_reduce_and_report_listeners(config):  # defined here: the workers get it by value, not by module name
         import json

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.launch_plan import EngineLayout, vllm_engine_env, vllm_engine_kwargs
-from pipeline.prompts import chat_prompt_ids
+from pipeline.launch.launch_plan import EngineLayout, vllm_engine_env, vllm_engine_kwargs
+from pipeline.data.prompts import chat_prompt_ids
 from serve_app.vllm_replica import VLLMEngineReplica
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.hf_extractor import HFExtractor
-from pipeline.stores.base import full_vocab_lse
+from pipeline.data.hf_extractor import HFExtractor
+from pipeline.ops.layers import full_vocab_lse
 from pipeline.stores.disk import DiskHiddenStore
 
 

@@ -1,4 +1,4 @@
-"""An honest test drafter implementing the drafter inference contract (pipeline/engine.py docstring) with a second
+"""An honest test drafter implementing the drafter inference contract (pipeline/engine/engine.py docstring) with a second
 tiny LM, plus the tiny models the engine tests use.
 
 * It learns the context TOKENS from the injected aux hidden states: aux layer id 0 is the target's embedding output,
@@ -7,7 +7,7 @@ tiny LM, plus the tiny models the engine tests use.
   the anchor followed by the drafts this drafter proposed (asserted).
 * It proposes autoregressively from its own tiny LM (a TargetRunner over a perturbed copy of the target, so acceptance
   is high but not perfect), optionally over a reduced draft vocabulary (``draft_ids``), sampling each step with
-  pipeline.sampling (q = the exact probs the token was drawn from).  conf_logits = log-odds of max_v q_k(v)
+  pipeline.ops.sampling (q = the exact probs the token was drawn from).  conf_logits = log-odds of max_v q_k(v)
   (a function of the prefix x_{<k} only, as DSpark's confidence head).
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from pipeline.target_runner import TargetRunner
+from pipeline.ops.sampling import SamplingParams, probs_from_logits, sample_from_probs
+from pipeline.engine.target_runner import TargetRunner
 
 
 @dataclass

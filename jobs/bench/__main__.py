@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jobs.bench import discover, load
 from jobs.bench.harness import Harness
-from pipeline.runtime import reexec_for_process_env, work_dir
+from pipeline.core.runtime import reexec_for_process_env, work_dir
 
 PROG = "python -m jobs.bench"
 

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.runtime import PROJECT_ROOT
+from pipeline.core.runtime import PROJECT_ROOT
 
 MOMENTS = ("ray-start", "deploying", "serving", "replica")
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGINT": signal.SIGINT}

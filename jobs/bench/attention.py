@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import TargetRunner, fp32_attention_wins
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import TargetRunner, fp32_attention_wins
 
 NAME = "attention"
 HELP = "bf16 target runner on CPU: decode step time with the KV cache (and attention) in fp32 vs bf16"

@@ -20,12 +20,14 @@ import torch
 
 from jobs.bench.draft_budget import add_drafter_arguments, build_drafter
 from jobs.bench.load import add_prompt_arguments, load_prompts
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.prompts import chat_prompt_ids
-from pipeline.runtime import torch_threads
-from pipeline.sampling import SamplingParams
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.cost_table import ProfileSpec, load_or_profile_cost_table
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.engine.scheduler import make_load_aware_scheduler
+from pipeline.data.prompts import chat_prompt_ids
+from pipeline.core.runtime import torch_threads
+from pipeline.ops.sampling import SamplingParams
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import TargetRunner
 
 NAME = "depth_cost"
 HELP = "plain vs fixed depth k at N requests per batch (no Serve): seconds per round, tau, and the break-even tau"
@@ -66,10 +68,8 @@ def run(args, harness) -> dict:
                           draft_sample_method="greedy")
         engines[f"depth {k}"] = SpeculativeEngine(runner, drafter, spec, tokenizer=tok)
     if args.schedulers:
-        from serve_app.replica import ReplicaOptions, load_or_profile_cost_table, make_load_aware_scheduler
-
-        opts = ReplicaOptions(target=str(target), drafter=args.drafter, dtype=args.dtype)
-        cost, _, _ = load_or_profile_cost_table(runner, opts, drafter.cfg.block_size + 1)
+        cost, _, _ = load_or_profile_cost_table(runner, ProfileSpec(target=str(target), dtype=args.dtype),
+                                                drafter.cfg.block_size + 1)
         for kind in args.schedulers:
             spec = SpecConfig(method=drafter.cfg.kind, scheduler=make_load_aware_scheduler(kind, cost),
                               draft_sample_method="greedy")

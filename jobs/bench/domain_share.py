@@ -22,9 +22,9 @@ import torch
 
 from jobs.bench.heldout_tau import open_suites
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.subsets import by_source_file
-from pipeline.target_model import resolve_target
-from pipeline.training import greedy_walk_tau, teacher_forced_tau
+from pipeline.data.subsets import by_source_file
+from pipeline.data.target_model import resolve_target
+from pipeline.train.heldout import greedy_walk_tau, teacher_forced_tau
 
 NAME = "domain_share"
 HELP = "benchmark tau against the benchmark's domain share of each run's training data (runs on different mixes)"

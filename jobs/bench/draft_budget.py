@@ -19,13 +19,14 @@ import torch
 
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.evaluation import resolve_drafter_dtype
-from pipeline.runtime import torch_threads
-from pipeline.sampling import SamplingParams
-from pipeline.target_model import default_aux_layer_ids, resolve_target
-from pipeline.target_runner import TargetRunner
-from pipeline.target_weights import load_target_weights
-from pipeline.training import TrainConfig, build_drafter_config
+from pipeline.eval.evaluation import resolve_drafter_dtype
+from pipeline.core.runtime import torch_threads
+from pipeline.ops.sampling import SamplingParams
+from pipeline.data.target_model import resolve_target
+from pipeline.dspark.config import dflash_layer_ids
+from pipeline.engine.target_runner import TargetRunner
+from pipeline.dspark.target_weights import load_target_weights
+from pipeline.train.config import TrainConfig, build_drafter_config
 
 NAME = "draft_budget"
 HELP = "one drafting round (propose + context update) vs one target decode step, interleaved, with its breakdown"
@@ -60,7 +61,7 @@ def build_drafter(args, target):
     if args.drafter:
         return load_drafter(args.drafter, str(target), dtype=dtype)
     tw = load_target_weights(str(target))
-    cfg = build_drafter_config(TrainConfig(), target, default_aux_layer_ids(tw.num_layers), args.draft_vocab)
+    cfg = build_drafter_config(TrainConfig(), target, dflash_layer_ids(tw.num_layers), args.draft_vocab)
     torch.manual_seed(0)
     m = DSparkDrafter(cfg)
     m.set_draft_vocab(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values)

@@ -1,5 +1,5 @@
 """Algorithm 1's draft-or-not decision, single stream: the plain decoder, fixed depth and the hardware-aware
-scheduler with the decision averaged over drafted rounds (``HardwareAwarePrefix(gain_ema=...)``, one case per
+scheduler with the decision averaged over drafted rounds (``Algorithm1(gain_ema=...)``, one case per
 ``--gain-ema`` value; ``none`` = the last round alone decides), interleaved per prompt (rotating order), greedy.
 
     python -m jobs.bench draft_decision --drafter work/recipe/train_dspark/drafter \\
@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.evaluation import load_benchmark, resolve_drafter_dtype
-from pipeline.runtime import cpu_has_native_bf16, torch_threads
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import CostTable, HardwareAwarePrefix
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.eval.evaluation import load_benchmark, resolve_drafter_dtype
+from pipeline.core.runtime import cpu_has_native_bf16, torch_threads
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.cost_table import CostTable
+from pipeline.engine.scheduler import Algorithm1
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import TargetRunner
 
 NAME = "draft_decision"
 HELP = "single stream: plain vs fixed depth vs Algorithm 1 with its draft-or-not decision averaged (gain_ema)"
@@ -60,7 +61,7 @@ def run(args, harness) -> dict:
                "fixed": SpeculativeEngine(runner, drafter, SpecConfig(method="dspark", scheduler="fixed"),
                                           tokenizer=tok)}
     for e in emas:
-        sch = HardwareAwarePrefix(cost, gain_ema=e)
+        sch = Algorithm1(cost, gain_ema=e)
         engines[f"hardware@ema={e}"] = SpeculativeEngine(runner, drafter, SpecConfig(method="dspark", scheduler=sch),
                                                          tokenizer=tok)
     greedy = SamplingParams(temperature=0.0)

@@ -15,7 +15,7 @@ from pipeline.dspark.anchors import make_blocks
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.losses import LossConfig, TargetHead, drafter_loss
-from pipeline.sampling import SamplingParams
+from pipeline.ops.sampling import SamplingParams
 
 NAME = "drafter"
 HELP = "drafter at SmolLM2-135M sizes, random weights: training positions/s and ms per draft round"

@@ -17,10 +17,10 @@ import pyarrow as pa
 
 from actors.extraction import _IN_SCHEMA, VLLMExtractor
 from actors.vllm_engine import build_llm
-from pipeline.runtime import init_ray
-from pipeline.shards import ShardSet
+from pipeline.core.runtime import init_ray
+from pipeline.data.shards import ShardSet
 from pipeline.stores.base import bytes_per_token
-from pipeline.target_model import num_layers, resolve_target
+from pipeline.data.target_model import num_layers, resolve_target
 
 NAME = "extract"
 HELP = "hidden-state extraction tok/s vs plain vLLM prefill of the same sequences (two warm Ray actors)"

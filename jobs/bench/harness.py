@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from pipeline.runtime import PROJECT_ROOT
-from pipeline.shards import atomic_write_json
+from pipeline.core.runtime import PROJECT_ROOT
+from pipeline.data.shards import atomic_write_json
 
 CaseFn = Callable[[int], "float | Mapping[str, float] | None"]
 ORDERS = ("alternate", "rotate")

@@ -14,7 +14,7 @@ fp32 jobs.evaluate rollout of 128 new tokens counts, at a fraction of its cost:
 
     python -m jobs.bench heldout_tau --data work/bench_hidden --walk-tokens 128 a=work/a/drafter b=work/b/drafter
 
-tau is the training curve's measure (pipeline.training.teacher_forced_tau: greedy, full depth, true
+tau is the training curve's measure (pipeline.train.heldout.teacher_forced_tau: greedy, full depth, true
 predecessors, up to --blocks evenly spaced blocks per sample) on ALL held-out samples, not the curve's subset,
 computed with the exported checkpoint (the weights that are served).  Prints one row per drafter; the numbers go
 to results.json (results.drafters)."""
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.evaluation import load_heldout_suites
+from pipeline.eval.evaluation import load_heldout_suites
 from pipeline.stores import open_hidden_store
-from pipeline.subsets import by_source_file
-from pipeline.target_model import resolve_target
-from pipeline.training import greedy_walk_tau, teacher_forced_tau
+from pipeline.data.subsets import by_source_file
+from pipeline.data.target_model import resolve_target
+from pipeline.train.heldout import greedy_walk_tau, teacher_forced_tau
 
 NAME = "heldout_tau"
 HELP = "teacher-forced (and replayed) held-out tau of exported drafters on one training run's held-out split"

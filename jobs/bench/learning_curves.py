@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.training import plot_learning_curves, read_learning_curve, walk_key
+from pipeline.train.metrics import plot_learning_curves, read_learning_curve, walk_key
 
 NAME = "learning_curves"
 HELP = "plot (and print) held-out tau vs supervised positions seen for one or more training runs"

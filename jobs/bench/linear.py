@@ -1,4 +1,4 @@
-"""The CPU linear back ends of the fp32 target (pipeline/packed_linear.py, pipeline/small_m_linear.py), measured two
+"""The CPU linear back ends of the fp32 target (pipeline/ops/packed_linear.py, pipeline/ops/small_m_linear.py), measured two
 ways in one run.
 
 1. Per weight SHAPE and row count: F.linear (MKL sgemm), oneDNN's packed layout and (where it builds) the small-M
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline import packed_linear, small_m_linear
-from pipeline.hugepages import huge_page_fraction
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import TargetRunner
+from pipeline.ops import packed_linear, small_m_linear
+from pipeline.ops.hugepages import huge_page_fraction
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import TargetRunner
 
 NAME = "linear"
 HELP = "CPU linear back ends of the fp32 target: F.linear vs oneDNN packed per weight shape, and whole forwards"
@@ -41,7 +41,7 @@ def add_arguments(ap) -> None:
                          "kernel is unavailable)")
     ap.add_argument("--forward-reps", type=int, default=5, help="rotations of the whole-forward comparison")
     ap.add_argument("--arena", choices=["on", "off", "both"], default="off",
-                    help="target runners with their plain weights in one huge-page block (pipeline/hugepages.py), "
+                    help="target runners with their plain weights in one huge-page block (pipeline/ops/hugepages.py), "
                          "without (default, as TargetRunner's), or both side by side")
     ap.add_argument("--skip-shapes", action="store_true", help="only the whole-forward comparison")
 
@@ -88,7 +88,7 @@ def run(a, harness) -> dict:
 
 def per_shape(harness, target: Path, rows: list[int], reps: int, cache_mb: int) -> dict:
     """{shape: {rows: {"F.linear": ms, "packed": ms, "ratio": packed / F.linear[, "kernel": ms, "kernel_ratio":
-    kernel / packed]}}} (medians; the kernel where pipeline/small_m_linear.py is available)."""
+    kernel / packed]}}} (medians; the kernel where pipeline/ops/small_m_linear.py is available)."""
     shapes = target_shapes(target)
     kernel = small_m_linear.available()
     g = torch.Generator().manual_seed(0)

@@ -37,11 +37,11 @@ import torch
 from pipeline.dspark.checkpoint import export_checkpoint
 from pipeline.dspark.config import DrafterConfig
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.evaluation import vllm_baseline_dtypes
-from pipeline.prompts import read_prompt_files
-from pipeline.runtime import init_ray
-from pipeline.subsets import subsample
-from pipeline.target_model import resolve_target
+from pipeline.eval.evaluation import vllm_baseline_dtypes
+from pipeline.data.prompts import read_prompt_files
+from pipeline.core.runtime import init_ray
+from pipeline.data.subsets import subsample
+from pipeline.data.target_model import resolve_target
 from serve_app.app import ServeConfig, build_app
 
 NAME = "load"

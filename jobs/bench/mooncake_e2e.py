@@ -2,7 +2,7 @@
 
 The 3-node loopback topology of tests/test_topology.py (ray.cluster_utils.Cluster: the head is the training node,
 two inference nodes, separate raylets, all on 127.0.0.1; actors placed by the ``training`` / ``inference`` node
-resources of pipeline/placement.py).  One Mooncake segment server per node: a producer puts through its own node's
+resources of pipeline/launch/placement.py).  One Mooncake segment server per node: a producer puts through its own node's
 server (its samples stay in that node's segment), the training worker gets through the training node's server,
 which pulls each sample from the inference node's segment over the transfer engine (loopback TCP) - the crossing a
 real cluster has.  Modes:
@@ -172,8 +172,8 @@ def run(args, harness) -> dict:
     from ray.cluster_utils import Cluster
 
     from actors.mooncake_master import MooncakeMaster, loopback_preload_env
-    from pipeline.placement import INFERENCE, TRAINING
-    from pipeline.runtime import LOOPBACK, apply_env, work_dir
+    from pipeline.launch.placement import INFERENCE, TRAINING
+    from pipeline.core.runtime import LOOPBACK, apply_env, work_dir
 
     modes = [m for m in args.modes.split(",") if m]
     if set(modes) - set(MODES) or not modes:
@@ -273,7 +273,7 @@ def _online(args, trainer, ep, node_eps: dict, results: dict) -> dict:
     import torch
 
     from actors.extraction_service import ExtractionService
-    from pipeline.target_model import resolve_target
+    from pipeline.data.target_model import resolve_target
 
     target = str(resolve_target(args.target))
     layer_ids = [int(x) for x in args.layer_ids.split(",")]

@@ -2,7 +2,7 @@
 to tell the engine's cost from the serving path's.  Two layers, each interleaved per prompt (order alternating),
 after one warm-up pass:
 
-  engine   pipeline.engine.SpeculativeEngine.generate, one request at a time
+  engine   pipeline.engine.engine.SpeculativeEngine.generate, one request at a time
   replica  serve_app.replica.EngineReplica (the Serve deployment's class, its continuous-batching loop and event
            stream) driven in this process, no HTTP / ingress / Ray
 
@@ -36,12 +36,14 @@ import torch
 
 from jobs.bench.load import add_prompt_arguments, load_prompts, random_drafter
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.evaluation import resolve_drafter_dtype
-from pipeline.prompts import chat_prompt_ids, end_of_turn_ids
-from pipeline.sampling import SamplingParams
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.cost_table import ProfileSpec, load_or_profile_cost_table
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.engine.scheduler import make_load_aware_scheduler
+from pipeline.eval.evaluation import resolve_drafter_dtype
+from pipeline.data.prompts import chat_prompt_ids, end_of_turn_ids
+from pipeline.ops.sampling import SamplingParams
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import TargetRunner
 
 NAME = "one_user"
 HELP = "no-spec vs load-aware speculation for one user (or --batch N), engine and replica level, without Serve"
@@ -205,15 +207,12 @@ def run(args, harness) -> dict:
     result = {}
 
     if "engine" in args.level:
-        from serve_app.replica import ReplicaOptions, load_or_profile_cost_table, make_load_aware_scheduler
-
         runner = TargetRunner.from_pretrained(target, dtype=args.dtype, device="cpu", max_seq_len=2048)
         eos = set(runner.config.eos_token_ids) | set(end_of_turn_ids(tok))
         d = load_drafter(args.drafter, target, dtype=resolve_drafter_dtype("auto", args.dtype, "cpu"),
                          device=runner.device)
-        cost, _, _ = load_or_profile_cost_table(
-            runner, ReplicaOptions(target=target, drafter=args.drafter, dtype=args.dtype, threads=args.threads),
-            d.cfg.block_size + 1)
+        cost, _, _ = load_or_profile_cost_table(runner, ProfileSpec(target=str(target), dtype=args.dtype),
+                                                d.cfg.block_size + 1)
         spec = SpecConfig(method=d.cfg.kind, scheduler=make_load_aware_scheduler("hardware", cost))
         engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos),
                    "hardware": SpeculativeEngine(runner, d, spec, tokenizer=tok, eos_token_ids=eos)}

@@ -12,9 +12,9 @@ import json
 
 import torch
 
-from pipeline.scheduler import CostTable
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.cost_table import CostTable
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import TargetRunner
 
 NAME = "target"
 HELP = "TargetRunner forward time for B new tokens on a cached context (the SPS(B) cost table) vs transformers"

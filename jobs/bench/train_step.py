@@ -15,10 +15,11 @@ import torch
 
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.losses import LossConfig, TargetHead
-from pipeline.runtime import resolve_device
-from pipeline.target_weights import load_target_weights
-from pipeline.training import (TrainConfig, accumulate_gradients, build_drafter_config, open_store, plan,
-                               step_blocks, step_sample_ids, use_bf16_autocast)
+from pipeline.core.runtime import resolve_device
+from pipeline.dspark.target_weights import load_target_weights
+from pipeline.train.config import TrainConfig, build_drafter_config, use_bf16_autocast
+from pipeline.train.step import accumulate_gradients, step_blocks
+from pipeline.train.dataset import open_store, plan, step_sample_ids
 
 NAME = "train_step"
 HELP = "time shares of one drafter training step (fetch / blocks / fwd+bwd / clip / optimizer), no Ray, + profile"

@@ -15,8 +15,8 @@ import sys
 import time
 
 from actors.vllm_engine import build_llm
-from pipeline.runtime import PROJECT_ROOT, apply_env
-from pipeline.target_model import resolve_target
+from pipeline.core.runtime import PROJECT_ROOT, apply_env
+from pipeline.data.target_model import resolve_target
 
 NAME = "vllm_dtype"
 HELP = "vLLM CPU generation tok/s by compute precision (float32 vs bfloat16), a fresh engine process per run"

@@ -9,4 +9,7 @@
     anchors.py          anchor sampling and block labels for training (§5)
     losses.py           the training losses (§4-§5)
     checkpoint.py       export / load in the vLLM / speculators checkpoint format (docs/checkpoint_format.md)
+    target_weights.py   the target's frozen embedding and LM head the drafter shares
+
+Imports ``core``, ``ops`` and ``data``; no engine, training or store code.
 """

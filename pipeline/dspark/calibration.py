@@ -4,7 +4,7 @@ and the online correction the cost-aware schedulers apply to live traffic.
 Offline (STS): on held-out full-length rounds with logits z [N, γ] and prefix labels y [N, γ] (y_{n,k} = 1 iff the
 first k drafts were all accepted), fit T_1..T_γ left to right: T_k = argmin_T ECE(Π_{i<k} σ(z_i/T_i) · σ(z_k/T),
 y_k), with earlier temperatures fixed.  Deployed c_k = σ(z_k / T_k) (monotone in z_k: rankings unchanged).
-The rounds come from real engine rollouts: ``pipeline.sts_rollouts``.
+The rounds come from real engine rollouts: ``pipeline.eval.sts_rollouts``.
 
 Online: ``OnlineCalibration`` compares realised acceptance with predicted survival over recent rounds.
 """

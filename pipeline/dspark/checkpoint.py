@@ -25,7 +25,7 @@ import torch
 
 from pipeline.dspark.draft_vocab import d2t_from_draft_ids, draft_ids_from_d2t
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.target_weights import CONFIG_NAME, WEIGHTS_NAME, load_target_weights
+from pipeline.dspark.target_weights import CONFIG_NAME, WEIGHTS_NAME, load_target_weights
 from pipeline.dspark.config import DrafterConfig, DrafterConfigError
 
 EXTRA_KEY = "dspark_ray"

@@ -43,6 +43,18 @@ def dflash_layer_ids(num_target_layers: int, n: int = 3) -> list[int]:
     return list(range(n))  # n <= L+1 guarantees this is valid
 
 
+def parse_layer_ids(spec: str | list | None, n_layers: int, n_default: int = 3) -> list[int]:
+    """``--layer-ids`` ("2,15,28", a list, or empty for DFlash's rule) -> strictly increasing ids in [0, n_layers]."""
+    if spec is None or spec == "" or spec == []:
+        return dflash_layer_ids(n_layers, n_default)
+    ids = [int(x) for x in (spec.split(",") if isinstance(spec, str) else spec)]
+    if sorted(set(ids)) != ids:
+        raise ValueError(f"layer ids must be strictly increasing, got {ids}")
+    if ids[0] < 0 or ids[-1] > n_layers:
+        raise ValueError(f"layer ids must lie in [0, {n_layers}] for a {n_layers}-layer target, got {ids}")
+    return ids
+
+
 @dataclass
 class DrafterConfig:
     # --- backbone (Qwen3-style layer; draft hidden == target hidden) -------------------------------------------

@@ -29,11 +29,11 @@ from torch.profiler import record_function
 
 from pipeline.dspark.calibration import apply_sts
 from pipeline.dspark.confidence_head import ConfidenceHead
-from pipeline.layers import RMSNorm, Rotary, apply_rope
+from pipeline.ops.layers import RMSNorm, Rotary, apply_rope
 from pipeline.dspark.config import DrafterConfig
-from pipeline.packed_linear import Linear
-from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from pipeline.target_weights import load_target_weights
+from pipeline.ops.packed_linear import Linear
+from pipeline.ops.sampling import SamplingParams, probs_from_logits, sample_from_probs
+from pipeline.dspark.target_weights import load_target_weights
 from pipeline.dspark.markov_head import build_sequential_head
 
 
@@ -216,7 +216,7 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def init_layers_from(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Start the decoder layers (and the final norm) from target tensors keyed by this drafter's names
-        (pipeline.target_weights.load_target_layers: the target's last layers).  Projections, MLP and layer norms are
+        (pipeline.dspark.target_weights.load_target_layers: the target's last layers).  Projections, MLP and layer norms are
         copied; the q/k norms, which a Llama target lacks, keep their weight of 1; fc, hidden_norm and the heads
         keep their own init.  Returns the names set; a shape mismatch or a tensor this drafter lacks is an error."""
         own = dict(self.named_parameters())

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.dspark.anchors import Blocks
-from pipeline.stores.base import full_vocab_lse
+from pipeline.ops.layers import full_vocab_lse
 
 
 @dataclass

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.packed_linear import Linear
+from pipeline.ops.packed_linear import Linear
 
 
 class _RowGatherIntoGrad(torch.autograd.Function):

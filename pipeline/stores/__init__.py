@@ -5,12 +5,12 @@
     mooncake.py  MooncakeHiddenStore: one object <prefix>/<id> per sample in a Mooncake store, manifest last
 
 ``open_hidden_store`` picks the backend a stage config names.  The Mooncake client library is imported only when
-a Mooncake store is opened, so the disk path never needs it.
+a Mooncake store is opened, so the disk path never needs it.  Imports ``core`` and ``data`` only.
 """
 from __future__ import annotations
 
 from pipeline.stores.base import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, bytes_per_token,
-                                  full_vocab_lse, tensor_from_bytes, tensor_to_bytes, validate_sample)
+                                  tensor_from_bytes, tensor_to_bytes, validate_sample)
 from pipeline.stores.disk import DiskHiddenStore
 from pipeline.stores.mooncake import MooncakeHiddenStore
 
@@ -29,5 +29,5 @@ def open_hidden_store(backend: str, folder=None, prefix: str | None = None, endp
 
 
 __all__ = ["BACKENDS", "OPTIONAL_FIELDS", "TENSOR_FIELDS", "DiskHiddenStore", "HiddenStateStore", "MooncakeHiddenStore",
-           "StoreError", "bytes_per_token", "full_vocab_lse", "open_hidden_store", "tensor_from_bytes",
+           "StoreError", "bytes_per_token", "open_hidden_store", "tensor_from_bytes",
            "tensor_to_bytes", "validate_sample"]

@@ -80,23 +80,6 @@ def bytes_per_token(n_aux_layers: int, hidden: int, with_lse: bool = True) -> in
     return 5 + 2 * n_aux_layers * hidden + 2 * hidden + (4 if with_lse else 0)
 
 
-@torch.no_grad()
-def full_vocab_lse(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 8192,
-                   rows: int = 1024) -> torch.Tensor:
-    """logsumexp_v (h · W_v) in fp32 for h [T, d] (use the stored bf16 values), W [V, d] -> [T]; the logits are
-    never materialised beyond [rows, chunk]."""
-    h = last_hidden.float()
-    W = lm_head_weight.float()
-    out = torch.empty(h.shape[0], device=h.device)
-    for r0 in range(0, h.shape[0], rows):
-        hr = h[r0:r0 + rows]
-        acc = torch.full((hr.shape[0],), float("-inf"), device=h.device)  # stays -inf for an empty W
-        for c0 in range(0, W.shape[0], chunk):
-            acc = torch.logaddexp(acc, torch.logsumexp(hr @ W[c0:c0 + chunk].T, dim=-1))
-        out[r0:r0 + rows] = acc
-    return out
-
-
 class HiddenStateStore(abc.ABC):
     """Both sides of a hidden-state store.  Writers: put() then commit(manifest).  Readers: manifest(), get()."""
 

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.stores.base import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
                                    tensor_to_bytes, validate_sample)
-from pipeline.shards import ShardSet
+from pipeline.data.shards import ShardSet
 
 _SCHEMA = pa.schema([("sample_id", pa.string()), ("n_tokens", pa.int32()), ("aux_dim", pa.int32()),
                      ("hidden", pa.int32())] + [(name, pa.large_binary()) for name in TENSOR_FIELDS]

@@ -54,8 +54,7 @@ import torch
 from pipeline.stores.base import (OPTIONAL_FIELDS, TENSOR_FIELDS, HiddenStateStore, StoreError, tensor_from_bytes,
                                    validate_sample)
 from pipeline.stores.mooncake_buffers import ALIGN, Arena, Lease, LeasePool, align_up
-from pipeline.launch_plan import MOONCAKE_PROTOCOL_ENV, MOONCAKE_PROTOCOLS
-from pipeline.runtime import LOOPBACK, apply_env
+from pipeline.core.runtime import LOOPBACK, MOONCAKE_PROTOCOL_ENV, MOONCAKE_PROTOCOLS, apply_env
 
 ENV_MASTER_ADDR = "MOONCAKE_MASTER_ADDR"
 ENV_METADATA_URL = "MOONCAKE_METADATA_URL"

@@ -2,7 +2,7 @@
 machine that has PyTorch + transformers only (one GPU, or a laptop):
 
     prompts -> greedy responses (``generate``, as jobs.generate's default temperature 0) -> <out>/responses
-            -> the target's hidden states (pipeline.hf_extractor, one forward per group of similar-length
+            -> the target's hidden states (pipeline.data.hf_extractor, one forward per group of similar-length
                sequences) -> the disk store --data, in the layout jobs.extract writes
 
 Both outputs are the ordinary stage formats (stage-1 Parquet shards, a stage-2 disk store whose manifest names the
@@ -19,13 +19,15 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline.hf_extractor import HFExtractor
-from pipeline.prompts import end_of_turn_ids, read_prompt_files, tokenize_requests
-from pipeline.responses import RESPONSE_SCHEMA, loss_mask_for
-from pipeline.shards import ShardSet
-from pipeline.stores import DiskHiddenStore, bytes_per_token, full_vocab_lse
-from pipeline.target_model import parse_layer_ids, resolve_target
-from pipeline.training import TrainConfig
+from pipeline.data.hf_extractor import HFExtractor
+from pipeline.data.prompts import end_of_turn_ids, read_prompt_files, tokenize_requests
+from pipeline.data.responses import RESPONSE_SCHEMA, loss_mask_for
+from pipeline.data.shards import ShardSet
+from pipeline.ops.layers import full_vocab_lse
+from pipeline.stores import DiskHiddenStore, bytes_per_token
+from pipeline.data.target_model import resolve_target
+from pipeline.dspark.config import parse_layer_ids
+from pipeline.train.config import TrainConfig
 
 GENERATOR = "transformers.generate (jobs.train --backend local)"
 ROWS_PER_SHARD = 256

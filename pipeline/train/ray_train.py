@@ -1,16 +1,16 @@
 """Ray Train's side of training: the worker loop TorchTrainer runs, and its torch back end with the gradient
 all-reduce's listeners on loopback.
 
-``train_loop_per_worker(plan)`` builds pipeline.trainer.Trainer with Ray's hooks: rank and world size from the Train
+``train_loop_per_worker(plan)`` builds pipeline.train.trainer.Trainer with Ray's hooks: rank and world size from the Train
 context, the device from ``ray.train.torch.get_device()`` on GPU workers, the checkpoint to resume from (Ray Train's
 own after a worker-group restart, else jobs.train's --resume), checkpoints and metrics through ``ray.train.report``.
 With --fsdp the same process group carries FSDP2's all-gathers and reduce-scatters instead of the gradient
-all-reduce (pipeline/fsdp_sharding.py).
+all-reduce (pipeline/train/fsdp.py).
 
 Ray Train's stock ``TorchConfig`` lets ``torch.distributed`` rendezvous through a TCPStore that rank 0 starts, and
 that server listens on every interface (``*:port``; PyTorch has no bind-address option).  Traffic still goes to
 127.0.0.1, but the port is open to the network.  ``LoopbackTorchConfig`` keeps everything on loopback when the
-cluster is (Ray's node address is 127.0.0.1, see ``pipeline.runtime``):
+cluster is (Ray's node address is 127.0.0.1, see ``pipeline.core.runtime``):
 
 * rank 0 binds a socket to 127.0.0.1 itself and hands it to a TCPStore server (``master_listen_fd``), kept alive
   in that worker process until the group shuts down;
@@ -41,9 +41,9 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import (V1WorkerGroup, _set_torch_distributed_env_vars, _setup_torch_process_group,
                                     _TorchBackend, get_address_and_port)
 
-from pipeline.runtime import LOOPBACK
-from pipeline.trainer import Placement, Trainer, TrainerHooks
-from pipeline.training import STATE_FILE
+from pipeline.core.runtime import LOOPBACK
+from pipeline.train.trainer import Placement, Trainer, TrainerHooks
+from pipeline.train.config import STATE_FILE
 
 # rank 0's (listening socket, TCPStore server); module state of that worker process, released on shutdown
 _HOSTED_STORE: tuple | None = None
@@ -165,7 +165,7 @@ def quiet_ray_train_reports() -> None:
 
 
 def train_loop_per_worker(plan: dict) -> None:
-    """What TorchTrainer runs on each worker: pipeline.training.plan()'s dict (+ resume_from) -> Trainer.fit()."""
+    """What TorchTrainer runs on each worker: pipeline.train.dataset.plan()'s dict (+ resume_from) -> Trainer.fit()."""
     quiet_ray_train_reports()
     ctx = ray.train.get_context()
     gpu = plan["train"]["gpus_per_worker"] > 0

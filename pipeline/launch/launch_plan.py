@@ -11,7 +11,7 @@ CPU and CUDA engines differ (docs/environment.md):
     CUDA  dtype auto = bf16; CUDA graphs; KV cache in GPU memory (``gpu_memory_utilization`` of each GPU);
           ``tensor_parallel_size`` shards over the actor's GPUs (the actor asks Ray for that many GPUs, which Ray
           takes from ONE node; vLLM's multiprocessing executor runs one worker per GPU); the actor's environment
-          names the CUDA platform (``VLLM_TARGET_DEVICE=cuda``: pipeline.runtime defaults it to cpu).
+          names the CUDA platform (``VLLM_TARGET_DEVICE=cuda``: pipeline.core.runtime defaults it to cpu).
 
 Printout (``print_plan``): one JSON object ``{"job": ..., "ray": {...}, "engine": {...}, ...}`` on stdout.
 """
@@ -24,14 +24,13 @@ import os
 import sys
 from dataclasses import dataclass
 
-from pipeline.placement import planned_role_resources
+from pipeline.core.runtime import MOONCAKE_PROTOCOL_ENV, MOONCAKE_PROTOCOLS
+from pipeline.launch.placement import planned_role_resources
 
 CPU, CUDA = "cpu", "cuda"
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 # the Mooncake wheels: the CUDA build brings the RDMA transport, the non-CUDA build speaks TCP only
 MOONCAKE_GPU_PACKAGE = "mooncake-transfer-engine"
 MOONCAKE_CPU_PACKAGE = "mooncake-transfer-engine-non-cuda"
-MOONCAKE_PROTOCOL_ENV = "DSPARK_MOONCAKE_PROTOCOL"  # how the chosen protocol reaches the store clients
 
 GPUS_HELP = ("Ray GPUs per vLLM actor: 0 = CPU engine; 1 = one GPU each; N > 1 = one actor over N GPUs of one node "
              "(with --tensor-parallel-size N); a fraction < 1 packs several engines on one GPU")
@@ -154,7 +153,7 @@ def vllm_engine_env(layout: EngineLayout, cpu_kv_cache_gb: float | None = None) 
         if cpu_kv_cache_gb is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = _fmt_gb(cpu_kv_cache_gb)
     else:
-        env["VLLM_TARGET_DEVICE"] = CUDA  # pipeline.runtime defaults it to cpu, which would pick vLLM's CPU platform
+        env["VLLM_TARGET_DEVICE"] = CUDA  # pipeline.core.runtime defaults it to cpu, which would pick vLLM's CPU platform
     return env
 
 

@@ -1,10 +1,10 @@
 """ONE training loop for the drafter, whichever way it is launched: ``Trainer(plan, placement, hooks).fit()``.
 
-* ``plan``: pipeline.training.plan()'s dict (config, sample ids, split, draft vocabulary, step count);
+* ``plan``: pipeline.train.dataset.plan()'s dict (config, sample ids, split, draft vocabulary, step count);
 * ``placement``: where this worker sits (rank, world size, torch device);
 * ``hooks``: what the launcher plugs in - the state to resume from, and where reports and checkpoints go.
 
-Two launchers build it: Ray Train's worker loop (pipeline.train_backend.train_loop_per_worker: rank and world from
+Two launchers build it: Ray Train's worker loop (pipeline.train.ray_train.train_loop_per_worker: rank and world from
 the Train context, device from ray.train.torch.get_device(), checkpoints through ray.train.report) and one plain
 process (``train_local``, jobs.train --backend local: rank 0 of 1, checkpoints in <out>/checkpoints).  Both write
 the same STATE_FILE, so either resumes either's checkpoint.
@@ -13,7 +13,7 @@ fit() reads top to bottom: for each step: this rank's sequences (prefetched) -> 
 sequence against ONE global weight sum (Σw over all sequences of the step on all ranks, docs/dspark.md §5) ->
 backward -> all-reduce of the gradients (DDP-equivalent: one flat all-reduce per step) -> clip -> AdamW and
 warmup/cosine step -> log (rank 0; held-out tau every --eval-every steps) -> checkpoint; at the end rank 0 exports
-the drafter.  With --fsdp the drafter is sharded over the workers instead (pipeline/fsdp_sharding.py): FSDP2
+the drafter.  With --fsdp the drafter is sharded over the workers instead (pipeline/train/fsdp.py): FSDP2
 gathers each unit's parameters for its forward/backward and reduce-scatters (sums) the gradients, so there is no
 separate all-reduce; every rank runs the held-out evaluation, the checkpoint's state gathering and the export's
 (collectives), rank 0 writes them, in the replicated run's format.  Resuming restores model + optimizer +
@@ -36,14 +36,16 @@ import torch.distributed as dist
 from pipeline.dspark.checkpoint import export_checkpoint
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.losses import LossConfig, TargetHead
-from pipeline.fsdp_sharding import (full_model_state, full_norm, full_state, load_full_state, parameter_elements,
-                                    shard_drafter)
-from pipeline.runtime import resolve_device
-from pipeline.target_weights import load_target_layers, load_target_weights
-from pipeline.training import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, accumulate_gradients, append_metrics,
-                               build_drafter_config, eval_store_samples, greedy_walk_tau, heldout_eval_ids, lr_lambda,
-                               metrics_row, micro_batch_count, open_store, step_blocks, step_sample_ids, step_seed,
-                               teacher_forced_tau, use_bf16_autocast)
+from pipeline.train.fsdp import (full_model_state, full_norm, full_state, load_full_state, parameter_elements,
+                                 shard_drafter)
+from pipeline.core.runtime import resolve_device
+from pipeline.dspark.target_weights import load_target_layers, load_target_weights
+from pipeline.train.config import (LOCAL_CHECKPOINTS, STATE_FILE, TrainConfig, build_drafter_config, lr_lambda,
+                                   use_bf16_autocast)
+from pipeline.train.step import accumulate_gradients, micro_batch_count, step_blocks, step_seed
+from pipeline.train.metrics import append_metrics, metrics_row
+from pipeline.train.dataset import eval_store_samples, heldout_eval_ids, open_store, step_sample_ids
+from pipeline.train.heldout import greedy_walk_tau, teacher_forced_tau
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline import small_m_linear
-from pipeline.runtime import cpu_has_native_bf16
+from pipeline.ops import small_m_linear
+from pipeline.core.runtime import cpu_has_native_bf16
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the packed layout for; any row count works
 
@@ -60,7 +60,7 @@ class PackedWeight:
     ``flinear_max_rows`` > 0 (with ``use_packed``): keep the plain weight too and run inputs of at most that many rows
     through F.linear, larger ones packed -- on an idle machine here MKL is ~10% faster for 1-2 rows and oneDNN's
     packed layout 15-30% faster from 4 rows on (README); costs a second copy of the weight.
-    ``kernel_max_rows`` > 0 (with ``use_packed``, where pipeline/small_m_linear.py applies to the weight): inputs of
+    ``kernel_max_rows`` > 0 (with ``use_packed``, where pipeline/ops/small_m_linear.py applies to the weight): inputs of
     at most that many rows go through that kernel instead (it reads the plain weight, also kept)."""
 
     __slots__ = ("weight", "bias", "packed", "flinear_max_rows", "kernel_max_rows")
@@ -121,7 +121,7 @@ _KERNEL_WINS: dict = {}  # hidden size -> whether the small-M kernel beat the pa
 
 
 def kernel_wins_few_rows(d: int = 576, rows=(1, 8), reps: int = 15) -> bool:
-    """Whether pipeline/small_m_linear.py's kernel beats the oneDNN-packed layout for an fp32 [4d, d] weight at every
+    """Whether pipeline/ops/small_m_linear.py's kernel beats the oneDNN-packed layout for an fp32 [4d, d] weight at every
     row count of ``rows`` on this CPU (False where the kernel is unavailable): measured once per process and hidden
     size, interleaved, medians.  On a 2-core AVX2 EPYC the whole SmolLM2 forward took 40 ms for 1 token with the
     kernel against 52 ms packed, 55 against 71 for 8."""
@@ -175,7 +175,7 @@ def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 1
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) that runs packed at inference on CPU in fp32, and in bf16 where
     the CPU multiplies bf16 natively (avx512_bf16 / AMX); fp32 inputs of at most ``small_m_linear.MAX_ROWS`` rows
-    (a drafting block) go through pipeline/small_m_linear.py's kernel where it beats the packed layout on this CPU
+    (a drafting block) go through pipeline/ops/small_m_linear.py's kernel where it beats the packed layout on this CPU
     (a greedy drafting round of the gsm8k drafter on an AVX2 EPYC: 4.06 vs 4.53 ms).  Measured on a 2-core AMX Xeon,
     one greedy drafting round of the recipe's drafter (1 layer, V_d 10,688, γ = 7) at a 300-token context: 6.55 ms
     fp32 packed, 5.71 ms bf16 with F.linear, 4.50 ms bf16 packed (interleaved, medians of 30).

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
-from pipeline.prompts import read_prompt_files
-from pipeline.shards import atomic_write_bytes
+from pipeline.data.prompts import read_prompt_files
+from pipeline.data.shards import atomic_write_bytes
 
 MIX_SEED = 20260402  # the shuffle of every source; fixed so that reruns and other machines pick the same prompts
 

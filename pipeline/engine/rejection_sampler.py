@@ -8,7 +8,7 @@ Conventions (one round of one request, docs/dspark.md §6):
   (target id of each draft index); q is zero outside the draft vocabulary once mapped into the full vocabulary;
 * the result of a round is m (accepted drafts) and m+1 tokens: x_1..x_m plus one target token (residual or bonus).
 
-Target probabilities always come from :func:`pipeline.sampling.probs_from_logits` on fp32 logits with the request's
+Target probabilities always come from :func:`pipeline.ops.sampling.probs_from_logits` on fp32 logits with the request's
 SamplingParams (the same function shapes the draft distribution), so temperature / top-k / top-p are identical on both
 sides.  Greedy requests (T < 1e-5) use exact match against the target argmax whatever the draft's q is.
 
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from pipeline.sampling import SamplingParams, probs_from_logits, sample_from_probs
+from pipeline.ops.sampling import SamplingParams, probs_from_logits, sample_from_probs
 
 RESIDUAL_EPS = 1e-9  # residual mass below this -> fall back to p (docs/dspark.md §6)
 METHODS = ("standard", "block")

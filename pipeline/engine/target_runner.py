@@ -12,7 +12,7 @@ slot-based KV cache:
   (``fp32_attention_wins``, measured once per process): PyTorch's CPU flash attention is several times slower in
   bf16 than in fp32 on a CPU without AMX;
 * a forward is planned on the host as one ``RaggedBatch`` (token ids, positions, slots, offsets); with a
-  ``static_forward`` attached (pipeline/cuda_graphs.py) the batches that fit its buckets run padded to fixed shapes,
+  ``static_forward`` attached (pipeline/engine/cuda_graphs.py) the batches that fit its buckets run padded to fixed shapes,
   on a GPU as replayed CUDA graphs over the same preallocated cache;
 * returns fp32 logits for the requested trailing tokens of every request (the LM head runs in fp32 by default, so the
   acceptance test always sees fp32 probabilities even when the body computes in bf16) and the hidden states of the
@@ -34,11 +34,11 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from pipeline import packed_linear as pl
-from pipeline import small_m_linear as sm
-from pipeline.hugepages import arena_copy
-from pipeline.layers import apply_rope, rms_norm
-from pipeline.runtime import cpu_has_native_bf16
+from pipeline.ops import packed_linear as pl
+from pipeline.ops import small_m_linear as sm
+from pipeline.ops.hugepages import arena_copy
+from pipeline.ops.layers import apply_rope, rms_norm
+from pipeline.core.runtime import cpu_has_native_bf16
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -58,7 +58,7 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
 # CPU linear back ends of fp32 weights: packed (oneDNN layout), mkl (F.linear), hybrid (F.linear for inputs of at
 # most HYBRID_FLINEAR_ROWS rows, packed above; both copies kept), tuned (hybrid with the row threshold of each weight
 # shape timed on this machine when the runner is built: packed_linear.tune_flinear_rows), smallm (the AVX2 kernel
-# of pipeline/small_m_linear.py for inputs of at most small_m_linear.MAX_ROWS rows, packed above; both copies kept)
+# of pipeline/ops/small_m_linear.py for inputs of at most small_m_linear.MAX_ROWS rows, packed above; both copies kept)
 LINEAR_BACKENDS = ("packed", "mkl", "hybrid", "tuned", "smallm")
 HYBRID_FLINEAR_ROWS = 2
 
@@ -228,11 +228,11 @@ class TargetRunner:
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
                  init_len: int = 256, huge_page_arena: bool = False, attention_dtype: str | torch.dtype | None = None):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype; its suffix
-        picks the CPU linear back end of fp32 weights (pipeline/packed_linear.py; "bfloat16:packed" packs bf16 weights
+        picks the CPU linear back end of fp32 weights (pipeline/ops/packed_linear.py; "bfloat16:packed" packs bf16 weights
         too, on a CPU with native bf16), without one on CPU with oneDNN "hybrid" where MKL's F.linear beats the
         packed layout at 1 row and "packed" where it does not (measured once per process), else F.linear.
         huge_page_arena (CPU, opt-in until it is shown to pay): the plain linear weights live in one block backed by
-        transparent huge pages (pipeline/hugepages.py).
+        transparent huge pages (pipeline/ops/hugepages.py).
         attention_dtype: the KV cache's dtype, in which attention runs (None: ``fp32_attention_wins`` decides for a
         bf16 runner on CPU, else the compute dtype)."""
         self.dtype, backend = parse_precision(dtype)
@@ -381,7 +381,7 @@ class TargetRunner:
         # verification blocks) attends per request for the long ones and padded to the short ones' T_max for the
         # rest: padding 15 one-token rows to a 98-token prompt made such a round 6x a decode round (2-core CPU)
         self.short_block = 16
-        # fixed-shape forward for the batches that fit its buckets (pipeline.cuda_graphs.StaticTargetForward; CUDA
+        # fixed-shape forward for the batches that fit its buckets (pipeline.engine.cuda_graphs.StaticTargetForward; CUDA
         # graphs on a GPU); None = every forward eager
         self.static_forward = None
 
@@ -684,7 +684,7 @@ class TargetRunner:
         return TargetOutput(logits=logits, logit_offsets=batch.logit_offsets, aux_hidden=aux,
                             token_offsets=tok_off)
 
-    # pieces of a decoder layer shared by the eager and the fixed-shape forward (pipeline/cuda_graphs.py)
+    # pieces of a decoder layer shared by the eager and the fixed-shape forward (pipeline/engine/cuda_graphs.py)
     @staticmethod
     def _layer_window(ly: _Layer, key_len: int):
         """The layer's sliding window, or None where it does not cut the keys [0, key_len)."""

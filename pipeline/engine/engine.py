@@ -16,7 +16,7 @@ plain autoregressive baseline (depth 0, one token per request per forward).  In 
 one ``RoundBatch``: ``_plan_depths`` (2-3), ``_run_target`` (1, 4), ``_verify`` (5), ``_commit`` (6).
 
 ``SpecConfig(cuda_graphs=True)`` (CUDA targets only) pads every round that fits the buckets of
-pipeline.cuda_graphs.StaticShapes to fixed shapes and replays one CUDA graph per bucket for the target forward and,
+pipeline.engine.cuda_graphs.StaticShapes to fixed shapes and replays one CUDA graph per bucket for the target forward and,
 with a DSparkDrafter, for the drafting round; the outputs are the unpadded ones (tests/test_cuda_graphs.py).
 
 Drafter contract (pipeline/dspark/drafter.py): ``new_state()``, ``extend_context(state, aux_hidden [n, n_aux*d],
@@ -36,13 +36,14 @@ from typing import Iterable, Sequence
 
 import torch
 
-from pipeline.cuda_graphs import StaticDraftProposer, StaticShapes, StaticTargetForward
+from pipeline.engine.cuda_graphs import StaticDraftProposer, StaticShapes, StaticTargetForward
 from pipeline.dspark.checkpoint import load_drafter
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.rejection_sampler import RejectionSampler, VerifyResult
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import CostTable, VerificationScheduler, make_scheduler
-from pipeline.target_runner import TargetOutput
+from pipeline.engine.rejection_sampler import RejectionSampler, VerifyResult
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.cost_table import CostTable
+from pipeline.engine.scheduler import VerificationScheduler, make_scheduler
+from pipeline.engine.target_runner import TargetOutput
 
 METHODS = ("dspark", "dflash", None)
 
@@ -65,7 +66,7 @@ class SpecConfig:
     async_lag: int = 2
     seed: int = 0  # engine RNG for requests without their own seed
     # capture the drafting round (DSparkDrafter) and the verification forward in CUDA graphs, one per padded
-    # (rows, tokens) bucket (pipeline/cuda_graphs.py); needs a CUDA target, the CPU path never uses them
+    # (rows, tokens) bucket (pipeline/engine/cuda_graphs.py); needs a CUDA target, the CPU path never uses them
     cuda_graphs: bool = False
 
     def __post_init__(self):

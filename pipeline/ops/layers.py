@@ -1,4 +1,6 @@
-"""Building blocks shared by the drafter (``pipeline.dspark.drafter``) and the target runner (``pipeline.target_runner``).
+"""Building blocks shared by the drafter (``pipeline.dspark.drafter``) and the target runner
+(``pipeline.engine.target_runner``), and the full-vocabulary logsumexp of the target's LM head (stored with the
+hidden states, used by the drafter's losses).
 
 Both follow transformers' Llama / Qwen3 numerics bit for bit: RMSNorm takes fp32 statistics, casts back, then
 scales; RoPE is neox-style (rotate the two halves of each head).
@@ -54,3 +56,20 @@ class Rotary(nn.Module):
         f = pos.float()[..., None] * self.inv_freq  # [..., h/2]
         emb = torch.cat((f, f), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@torch.no_grad()
+def full_vocab_lse(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 8192,
+                   rows: int = 1024) -> torch.Tensor:
+    """logsumexp_v (h · W_v) in fp32 for h [T, d] (use the stored bf16 values), W [V, d] -> [T]; the logits are
+    never materialised beyond [rows, chunk]."""
+    h = last_hidden.float()
+    W = lm_head_weight.float()
+    out = torch.empty(h.shape[0], device=h.device)
+    for r0 in range(0, h.shape[0], rows):
+        hr = h[r0:r0 + rows]
+        acc = torch.full((hr.shape[0],), float("-inf"), device=h.device)  # stays -inf for an empty W
+        for c0 in range(0, W.shape[0], chunk):
+            acc = torch.logaddexp(acc, torch.logsumexp(hr @ W[c0:c0 + chunk].T, dim=-1))
+        out[r0:r0 + rows] = acc
+    return out

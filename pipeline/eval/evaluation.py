@@ -16,19 +16,20 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config_fields import target_field, temperature_field, top_k_field, top_p_field
+from pipeline.core.config_fields import target_field, temperature_field, top_k_field, top_p_field
 from pipeline.dspark.calibration import calibration_report
 from pipeline.dspark.checkpoint import load_drafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
-from pipeline.runtime import cpu_has_native_bf16, resolve_device, torch_threads
-from pipeline.sampling import SamplingParams
-from pipeline.scheduler import SCHEDULERS, CostTable
-from pipeline.shards import atomic_write_json
-from pipeline.sts_rollouts import full_length_rounds, heldout_rows
-from pipeline.subsets import source_of, subsample
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import LINEAR_BACKENDS, TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.data.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
+from pipeline.core.runtime import cpu_has_native_bf16, resolve_device, torch_threads
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.scheduler import SCHEDULERS
+from pipeline.engine.cost_table import CostTable
+from pipeline.data.shards import atomic_write_json
+from pipeline.eval.sts_rollouts import full_length_rounds, heldout_rows
+from pipeline.data.subsets import source_of, subsample
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import LINEAR_BACKENDS, TargetRunner
 
 
 @dataclass

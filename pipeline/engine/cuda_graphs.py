@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from pipeline.dspark.calibration import apply_sts
 from pipeline.dspark.drafter import DraftProposal, DraftState, DSparkDrafter
-from pipeline.sampling import SamplingParams
-from pipeline.target_runner import RaggedBatch, TargetOutput, TargetRunner, attention_mask
+from pipeline.ops.sampling import SamplingParams
+from pipeline.engine.target_runner import RaggedBatch, TargetOutput, TargetRunner, attention_mask
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -14,7 +14,7 @@ GPUs come next to the role: an engine actor with ``--gpus-per-actor g`` also ask
 a node that has both a free role unit and g free GPUs (Ray takes one actor's resources from ONE node, so a
 tensor-parallel engine over N GPUs needs a node with N).  Two inference nodes with one GPU each and
 ``--pool-size 2 --gpus-per-actor 1`` give one engine per node; a node with 8 GPUs declared ``inference: 8`` holds
-eight single-GPU engines.  ``--dry-run`` prints both parts (pipeline/launch_plan.py).
+eight single-GPU engines.  ``--dry-run`` prints both parts (pipeline/launch/launch_plan.py).
 """
 from __future__ import annotations
 

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config_fields import target_field, temperature_field
+from pipeline.core.config_fields import target_field, temperature_field
 from pipeline.dspark.calibration import apply_sts, calibration_report, fit_sts
 from pipeline.dspark.checkpoint import EXTRA_KEY, load_drafter
-from pipeline.engine import SpecConfig, SpeculativeEngine
-from pipeline.prompts import chat_prompt_ids, read_prompt_files
-from pipeline.runtime import resolve_device, torch_threads
-from pipeline.sampling import SamplingParams
-from pipeline.shards import MANIFEST, ShardSet, atomic_write_json
-from pipeline.subsets import subsample
-from pipeline.target_model import resolve_target
-from pipeline.target_runner import TargetRunner
+from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+from pipeline.data.prompts import chat_prompt_ids, read_prompt_files
+from pipeline.core.runtime import resolve_device, torch_threads
+from pipeline.ops.sampling import SamplingParams
+from pipeline.data.shards import MANIFEST, ShardSet, atomic_write_json
+from pipeline.data.subsets import subsample
+from pipeline.data.target_model import resolve_target
+from pipeline.engine.target_runner import TargetRunner
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Job config fields that several jobs declare with the same meaning: one default and one help text each.
 
-Used in the dataclass configs that ``pipeline.config_cli`` turns into flags, e.g.
+Used in the dataclass configs that ``pipeline.core.config_cli`` turns into flags, e.g.
 ``target: str | None = target_field()`` or ``temperature: float = temperature_field("of the rollouts")``.
 The sampling fields take the words that say what is sampled, so each job's ``--help`` still says it.
 """
@@ -12,12 +12,12 @@ ENGINE_DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
 def target_field():
-    """``--target``: the target model's folder (None = the prepared SmolLM2-135M, pipeline.target_model)."""
+    """``--target``: the target model's folder (None = the prepared SmolLM2-135M, pipeline.data.target_model)."""
     return field(default=None, metadata={"help": "target HF folder (default: prepared SmolLM2-135M)"})
 
 
 def temperature_field(of: str):
-    """``--temperature`` of the sampling ``of`` names (0 = greedy, as pipeline.sampling.SamplingParams)."""
+    """``--temperature`` of the sampling ``of`` names (0 = greedy, as pipeline.ops.sampling.SamplingParams)."""
     return field(default=0.0, metadata={"help": f"sampling temperature {of} (0 = greedy)"})
 
 
@@ -45,10 +45,10 @@ def actor_threads_field():
 
 
 def actor_resources_field():
-    """``--actor-resources`` of each actor of a pool (resolved by pipeline.placement)."""
+    """``--actor-resources`` of each actor of a pool (resolved by pipeline.launch.placement)."""
     return field(default=None, metadata={
         "help": "extra Ray resources per actor as JSON, or auto: {\"inference\": 1} when the cluster declares "
-                "inference nodes, else none (see pipeline/placement.py); {} = no constraint"})
+                "inference nodes, else none (see pipeline/launch/placement.py); {} = no constraint"})
 
 
 def ray_address_field():

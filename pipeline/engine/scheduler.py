@@ -1,4 +1,4 @@
-"""Verification-depth schedulers (docs/dspark.md §6.3, §7) and the SPS(B) cost table.
+"""Verification-depth schedulers (docs/dspark.md §6.3, §7), priced by the SPS(B) cost table (pipeline/engine/cost_table.py).
 
 Every scheduler maps one round's drafts to a depth L_r in {0..max_depth_r} per request: how many of the γ drafts the
 target verifies (the round then costs L_r + 1 target tokens).  Inputs are the drafter's confidence LOGITS z_{r,k}
@@ -7,12 +7,11 @@ target verifies (the round then costs L_r + 1 target tokens).  Inputs are the dr
 
 Losslessness: with token-wise (or block) verification, a depth rule is lossless iff the event "x_{r,j} is verified"
 depends only on x_{r,<j} (the confidence c_{r,j} is computed from x_{r,j-1}, never from x_{r,j}).  FixedDepth,
-StaticThreshold, HardwareAwarePrefix (thanks to the early stop) and AsyncCapacity satisfy it; the look-ahead /
-no-break search (``HardwareAwarePrefix(early_stop=False)``) does not -- docs/dspark.md Appendix A, see tests/test_scheduler.py.
+StaticThreshold, Algorithm1 (thanks to the early stop) and AsyncCapacity satisfy it; the look-ahead /
+no-break search (``Algorithm1(early_stop=False)``) does not -- docs/dspark.md Appendix A, see tests/test_scheduler.py.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from pathlib import Path
@@ -21,102 +20,9 @@ from typing import Sequence
 import torch
 
 from pipeline.dspark.calibration import OnlineCalibration, calibrated_confidence
+from pipeline.engine.cost_table import CostTable
 
 SCHEDULERS = ("fixed", "threshold", "hardware", "async")
-
-
-# ----------------------------------------------------------------------------------------------------- cost table
-class CostTable:
-    """Target step time t(B) for B tokens in one forward, and SPS(B) = 1 / t(B).
-
-    Built from measured points (B -> seconds), piecewise-linear in between, linear extrapolation (last segment's slope,
-    never decreasing) beyond the last point.  Lookups are O(1) from a dense array up to ``dense_max``.
-    """
-
-    def __init__(self, step_seconds: dict, meta: dict | None = None, dense_max: int = 4096):
-        if not step_seconds:
-            raise ValueError("empty cost table")
-        pts = sorted((int(b), float(t)) for b, t in step_seconds.items())
-        if pts[0][0] < 1 or any(t <= 0 for _, t in pts):
-            raise ValueError(f"bad cost table points {pts}")
-        self.points = pts
-        self.meta = dict(meta or {})
-        self._dense_max = max(dense_max, pts[-1][0])
-        self._t = [0.0] + [self._interp(b) for b in range(1, self._dense_max + 1)]
-        self._sps = [0.0] + [1.0 / t for t in self._t[1:]]
-        self._env = list(self._t)  # _env[B] = min over B' >= B of t(B') (beyond the dense range t only grows)
-        for b in range(self._dense_max - 1, 0, -1):
-            self._env[b] = min(self._env[b], self._env[b + 1])
-
-    def _interp(self, b: int) -> float:
-        pts = self.points
-        if b <= pts[0][0]:
-            return pts[0][1]
-        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
-            if b <= b1:
-                return t0 + (t1 - t0) * (b - b0) / (b1 - b0)
-        if len(pts) == 1:
-            return pts[0][1]
-        (b0, t0), (b1, t1) = pts[-2], pts[-1]
-        slope = max(0.0, (t1 - t0) / (b1 - b0))
-        return t1 + slope * (b - b1)
-
-    def step_time(self, B: int) -> float:
-        return self._t[B] if 1 <= B <= self._dense_max else self._interp(max(1, int(B)))
-
-    def verify_time(self, B: int) -> float:
-        """What a verification round of B tokens is priced at: min over B' >= B of t(B').  A measured table need not
-        be monotone (on an AMD EPYC with native bf16 the fp32 forward took 57 ms for 1-2 tokens through MKL and
-        41-44 ms for 4-8 through oneDNN); priced at t(B), the early-stopping search would stop at the bump and never
-        reach the cheaper, deeper verification behind it.  Any fixed price keeps the search lossless."""
-        return self._env[B] if 1 <= B <= self._dense_max else self._interp(max(1, int(B)))
-
-    def sps(self, B: int) -> float:
-        return self._sps[B] if 1 <= B <= self._dense_max else 1.0 / self._interp(max(1, int(B)))
-
-    @classmethod
-    def from_sps(cls, sps: dict | Sequence[float], **kw) -> "CostTable":
-        """From SPS values: a dict B -> steps/s, or a sequence (SPS(1), SPS(2), ...)."""
-        items = sps.items() if isinstance(sps, dict) else enumerate(sps, start=1)
-        return cls({int(b): 1.0 / float(s) for b, s in items}, **kw)
-
-    @classmethod
-    def flat(cls, seconds: float = 1.0) -> "CostTable":
-        return cls({1: seconds})
-
-    @classmethod
-    def profile(cls, runner, batch_sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
-                context_len: int = 300, max_tokens_per_request: int = 8, repeats: int = 5,
-                warmup: int = 2) -> "CostTable":
-        """Time the target runner's forward for each B (``TargetRunner.time_forwards``: B new tokens over
-        ceil(B / max_tokens_per_request) requests with ``context_len`` cached tokens each; interleaved sweeps,
-        medians)."""
-        pts = runner.time_forwards([int(b) for b in batch_sizes], context_len=context_len,
-                                   max_tokens_per_request=max_tokens_per_request, repeats=repeats, warmup=warmup)
-        meta = {"context_len": context_len, "max_tokens_per_request": max_tokens_per_request, "repeats": repeats,
-                "device": str(getattr(runner, "device", "")), "dtype": str(getattr(runner, "dtype", "")),
-                "threads": torch.get_num_threads()}
-        return cls(pts, meta=meta)
-
-    def inversion(self) -> float:
-        """How far the measured points are from "more tokens never cost less": max over B1 < B2 of
-        t(B1) / t(B2) - 1 (0 for a monotone table).  A large value means the profile caught contention."""
-        worst, ts = 0.0, [t for _, t in self.points]
-        for i, t1 in enumerate(ts):
-            for t2 in ts[i + 1:]:
-                worst = max(worst, t1 / t2 - 1.0)
-        return worst
-
-    def to_dict(self) -> dict:
-        return {"step_seconds": {str(b): t for b, t in self.points}, "meta": self.meta}
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "CostTable":
-        d = json.loads(Path(path).read_text())
-        return cls({int(b): float(t) for b, t in d["step_seconds"].items()}, meta=d.get("meta"))
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
@@ -468,7 +374,7 @@ class _SharedHardware:
         self._round_acceptance, self._idle_requests = (0, 0), 0
 
 
-class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
+class Algorithm1(_SharedHardware, VerificationScheduler):
     """docs/dspark.md §7, Algorithm 1: greedy admission of (r, j) by calibrated survival a_{r,j}, maximising Θ (the
     round's tokens per second, see _SharedHardware), with the early stop (first non-improving candidate ends the
     search).  early_stop=False gives the look-ahead variant, kept only to demonstrate that it is NOT lossless.
@@ -502,7 +408,7 @@ class HardwareAwarePrefix(_SharedHardware, VerificationScheduler):
 
     def schedule(self, conf_logits, max_depth):
         if conf_logits is None:
-            raise ValueError("HardwareAwarePrefix needs confidence logits (a DSpark drafter)")
+            raise ValueError("Algorithm1 needs confidence logits (a DSpark drafter)")
         a = self._survival(conf_logits, max_depth)
         depths, _ = self._search(a, self.early_stop)
         self.last_gain = g = self._drafting_gain(a, depths)
@@ -604,7 +510,18 @@ def make_scheduler(name: str | VerificationScheduler | None, *, num_speculative_
     if name in ("hardware", "async") and cost_table is None:
         raise ValueError(f"scheduler {name!r} needs a cost table (CostTable.profile(runner) or a JSON file)")
     if name == "hardware":
-        return HardwareAwarePrefix(cost_table, temperatures)
+        return Algorithm1(cost_table, temperatures)
     if name == "async":
         return AsyncCapacity(cost_table, temperatures, lag=lag)
     raise ValueError(f"unknown scheduler {name!r}; choose from {SCHEDULERS}")
+
+
+def make_load_aware_scheduler(kind: str, cost, budget: int | None = None, lag: int = 2):
+    """'hardware' -> Algorithm1, 'async' -> AsyncCapacity, both taking the cluster load through
+    ``set_load(B_0, τ_0)`` and the token budget (lossless; see the module docstring).  DSparkDrafter applies its
+    STS temperatures itself, so the schedulers use the raw sigmoid (temperatures=None)."""
+    if kind == "hardware":
+        return Algorithm1(cost, None, budget=budget)
+    if kind == "async":
+        return AsyncCapacity(cost, None, lag=lag, budget=budget)
+    raise ValueError(f"no load-aware scheduler {kind!r}")
