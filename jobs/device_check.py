@@ -253,7 +253,7 @@ def _engine(cfg: CheckConfig, model, dtype: str, speculative: bool, graphs: bool
     spec = SpecConfig(method="dspark" if speculative else None, cuda_graphs=graphs and on_cuda)
     eng = SpeculativeEngine(runner, drafter, spec, eos_token_ids=[])
     if graphs and not on_cuda:
-        eng.use_static_shapes(capture=False, shapes=StaticShapes(max_tokens=eng.depth_cap + 1))
+        eng.use_static_shapes(capture=False, shapes=StaticShapes(max_tokens=eng.num_speculative_tokens + 1))
     return eng
 
 

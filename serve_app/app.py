@@ -63,11 +63,12 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "HTTP bind address (keep loopback on shared machines)"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})
     scheduler: str = field(default="hardware", metadata={
-        "help": "verification depth: none (no speculation) | fixed (γ every round) | hardware (Algorithm 1 on the "
+        "help": "verification depth: none (no speculation) | fixed (--num-speculative-tokens every round) | hardware (Algorithm 1 on the "
                 "profiled SPS table, cluster-load aware) | async (production capacity variant)",
         "choices": list(SCHEDULERS)})
-    gamma: int | None = field(default=None, metadata={"help": "num_speculative_tokens (<= drafter block size; "
-                                                               "default: the block size)"})
+    num_speculative_tokens: int | None = field(default=None, metadata={
+        "help": "the verification depth cap (<= the drafter's block size; default: the block size)",
+        "aliases": ["--gamma"]})
     dtype: str = field(default="auto", metadata={"help": "target / drafter dtype (auto | float32 | bfloat16); auto "
                                                         "= float32 on the native engine, bfloat16 on vLLM; on CPU "
                                                         "float32 = float32:smallm (the AVX2 small-M kernel up to 24 "
@@ -145,8 +146,8 @@ class ServeConfig:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}")
-        if self.gamma is not None and self.gamma < 1:
-            raise ValueError("gamma must be >= 1")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         for name in ("ready_wait_s", "replica_init_timeout_s", "ready_timeout_s"):
@@ -226,7 +227,7 @@ class ServeConfig:
         target = target or self.resolved_target()
         opts = ReplicaOptions(
             target=target, drafter=str(self.drafter) if self.drafter else None, scheduler=self.scheduler,
-            gamma=self.gamma, dtype=self.precision(), device="cuda" if self.gpu else "cpu", max_batch=self.max_batch,
+            num_speculative_tokens=self.num_speculative_tokens, dtype=self.precision(), device="cuda" if self.gpu else "cpu", max_batch=self.max_batch,
             max_model_len=self.max_model_len, threads=self.threads_per_replica(), seed=self.seed,
             cost_table=self.cost_table, profile_batch_sizes=list(self.profile_batch_sizes),
             shared_hardware=self.shared_hardware, token_budget=self.token_budget,
@@ -265,7 +266,7 @@ def vllm_engine_config(cfg: ServeConfig, target: str | None = None) -> dict:
         spec = {
             "method": "dspark",
             "model": str(cfg.drafter),
-            "num_speculative_tokens": cfg.gamma or drafter_block_size(cfg.drafter),
+            "num_speculative_tokens": cfg.num_speculative_tokens or drafter_block_size(cfg.drafter),
             "draft_sample_method": cfg.draft_sample_method,
             "rejection_sample_method": "standard",
             # vLLM's confidence-driven verification budget is its analogue of our hardware-aware scheduler

@@ -18,7 +18,7 @@ Continuous batching
 
 Verification-depth policy (schedulers)
   * ``none``: no speculation (plain batched autoregressive decoding; the drafter is not loaded).
-  * ``fixed``: verify min(γ, remaining) drafts every round (γ = ``gamma``, default: the drafter's block size).
+  * ``fixed``: verify min(num_speculative_tokens, remaining) drafts every round (default: the drafter's block size).
   * ``hardware``: docs/dspark.md §7 Algorithm 1 (greedy prefix admission with the early stop) on this replica's SPS(B)
     table; ``async``: the production variant (capacity from the unconstrained search two rounds earlier).
   * SPS(B) is profiled once at replica start (``CostTable.profile``, bounded batch sizes) and cached at
@@ -94,7 +94,7 @@ class ReplicaOptions:
     target: str
     drafter: str | None = None
     scheduler: str = "hardware"  # 'none' | 'fixed' | 'hardware' | 'async'
-    gamma: int | None = None  # num_speculative_tokens (<= drafter block size); None -> block size
+    num_speculative_tokens: int | None = None  # the verification depth cap (<= drafter block size); None -> it
     dtype: str = "float32"
     device: str = "cpu"
     max_batch: int = 8  # concurrent requests in the engine; more wait in the replica queue
@@ -119,8 +119,6 @@ class ReplicaOptions:
             raise ValueError(f"scheduler must be one of {SCHEDULER_CHOICES}, got {self.scheduler!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
-        if self.gamma is not None and self.gamma < 1:
-            raise ValueError("gamma must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
         if not 0.0 <= self.shared_hardware <= 1.0:
@@ -224,11 +222,12 @@ class EngineReplica:
         self._emitted_last_round = 0
         self._step_ema = None
         self._recent: collections.deque = collections.deque(maxlen=256)  # (t_end, step_s, emitted, B)
-        self._depth_hist = [0] * (self.engine.depth_cap + 1)
+        self._depth_hist = [0] * (self.engine.num_speculative_tokens + 1)
         self._totals = collections.Counter()
         self._prev_stats: dict[str, tuple] = {}
-        logger.info("engine replica %s ready in %.1fs (speculative=%s, scheduler=%s, gamma=%s, SPS cache %s)",
-                    self.replica_id, self.load_s, opts.speculative, opts.scheduler, self.engine.depth_cap,
+        logger.info("engine replica %s ready in %.1fs (speculative=%s, scheduler=%s, num_speculative_tokens=%s, SPS "
+                    "cache %s)", self.replica_id, self.load_s, opts.speculative, opts.scheduler,
+                    self.engine.num_speculative_tokens,
                     self.cost_path)
 
     def _build_engine(self) -> None:
@@ -241,26 +240,23 @@ class EngineReplica:
         drafter = None
         self.cost_table = self.cost_path = None
         self.load_sched = None
-        scheduler = "fixed"
         if opts.speculative:
             self.init_stage = f"loading the drafter {opts.drafter}"
             drafter = load_drafter(opts.drafter, opts.target, dtype=self.runner.dtype, device=self.runner.device)
-            block = int(drafter.cfg.block_size)
-            if opts.gamma is not None and opts.gamma > block:
-                raise ValueError(f"gamma {opts.gamma} > drafter block size {block}")
-            gamma = opts.gamma or block
+            spec = SpecConfig(method=drafter.cfg.kind, num_speculative_tokens=opts.num_speculative_tokens,
+                              draft_sample_method=opts.draft_sample_method, seed=opts.seed)
+            cap = spec.resolve(drafter.cfg.block_size)  # ValueError naming the bound
             if opts.scheduler == "fixed":
-                scheduler = FixedDepth(gamma)
+                spec.scheduler = FixedDepth(cap)
             else:
                 if opts.cost_table:
                     self.cost_table, self.cost_path = CostTable.load(opts.cost_table), Path(opts.cost_table)
                 else:
                     self.init_stage = "profiling the SPS cost table (or waiting for another replica's profile)"
-                    self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts.profile_spec(), gamma + 1)
-                scheduler = make_load_aware_scheduler(opts.scheduler, self.cost_table, opts.token_budget)
-                self.load_sched = scheduler
-            spec = SpecConfig(method=drafter.cfg.kind, num_speculative_tokens=gamma, scheduler=scheduler,
-                              draft_sample_method=opts.draft_sample_method, seed=opts.seed)
+                    self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts.profile_spec(),
+                                                                                    cap + 1)
+                spec.scheduler = self.load_sched = make_load_aware_scheduler(opts.scheduler, self.cost_table,
+                                                                             opts.token_budget)
         else:
             spec = SpecConfig(seed=opts.seed)
         self.init_stage = "building the engine"
@@ -320,7 +316,7 @@ class EngineReplica:
             "load_shift": self.load_sched.base_tokens if self.load_sched is not None else 0,
             "load_tau": self.load_sched.base_tau if self.load_sched is not None else 0.0,
             "cluster_load": self._cluster_load,
-            "scheduler": self.opts.scheduler if self.opts.speculative else "none", "gamma": self.engine.depth_cap,
+            "scheduler": self.opts.scheduler if self.opts.speculative else "none", "num_speculative_tokens": self.engine.num_speculative_tokens,
             "totals": dict(self._totals), "depth_hist": list(self._depth_hist),
             "sps": ({str(b): round(1.0 / t, 3) for b, t in self.cost_table.points}
                     if self.cost_table is not None else {}),
@@ -346,7 +342,8 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         async with self._lock:
             table, path, _ = await loop.run_in_executor(
-                self._executor, lambda: load_or_profile_cost_table(self.runner, self.opts.profile_spec(), self.engine.depth_cap + 1,
+                self._executor, lambda: load_or_profile_cost_table(self.runner, self.opts.profile_spec(),
+                                                   self.engine.num_speculative_tokens + 1,
                                                                    force=True))
             self.cost_table, self.cost_path = table, path
             self.load_sched.cost = table

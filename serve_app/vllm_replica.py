@@ -58,7 +58,7 @@ class VLLMReplicaOptions:
     stream_interval: int = 1  # tokens per streamed event after the first (as serve_app/replica.py)
 
     @property
-    def gamma(self) -> int:
+    def num_speculative_tokens(self) -> int:
         return int((self.engine_kwargs.get("speculative_config") or {}).get("num_speculative_tokens", 0))
 
 
@@ -114,9 +114,9 @@ class VLLMEngineReplica:
         self._tokens_last_round = 0
         self._recent: collections.deque = collections.deque(maxlen=512)  # (t, tokens)
         self._totals = collections.Counter()
-        self._accepted_hist = [0] * (opts.gamma + 1)
-        logger.info("vLLM replica %s ready in %.1fs (scheduler=%s, gamma=%s)", self.replica_id, self.load_s,
-                    opts.scheduler, opts.gamma)
+        self._accepted_hist = [0] * (opts.num_speculative_tokens + 1)
+        logger.info("vLLM replica %s ready in %.1fs (scheduler=%s, num_speculative_tokens=%s)", self.replica_id,
+                    self.load_s, opts.scheduler, opts.num_speculative_tokens)
 
     # ------------------------------------------------------------------------------------------- public methods
     async def generate(self, request: dict, _route: dict | None = None):
@@ -189,7 +189,7 @@ class VLLMEngineReplica:
             "emitted_last_round": self._tokens_last_round if rec else 0,
             "step_s": self._step_ema, "tokens_per_s": sum(r[1] for r in rec) / 5.0,
             "cluster_load": self._cluster_load, "load_shift": 0, "scheduler": self.opts.scheduler,
-            "gamma": self.opts.gamma, "totals": dict(self._totals), "accepted_hist": list(self._accepted_hist),
+            "num_speculative_tokens": self.opts.num_speculative_tokens, "totals": dict(self._totals), "accepted_hist": list(self._accepted_hist),
         }
 
     async def stats(self) -> dict:

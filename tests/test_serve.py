@@ -119,7 +119,7 @@ def server(ray_session, target_dir, serve_drafter):
 
     port = _free_port()
     cfg = ServeConfig(drafter=str(serve_drafter), target=str(target_dir), replicas=2, port=port,
-                      scheduler="hardware", gamma=GAMMA, max_batch=4, threads=1, routing_stats_period_s=0.5,
+                      scheduler="hardware", num_speculative_tokens=GAMMA, max_batch=4, threads=1, routing_stats_period_s=0.5,
                       profile_batch_sizes=[1, 2, 4, 8, 16], default_max_tokens=32)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg), name="dspark-test", route_prefix="/", blocking=False)
@@ -433,7 +433,7 @@ def test_router_prefers_idle_replica_and_disconnect_aborts(server):
 def test_vllm_engine_config(serve_drafter, target_dir):
     from serve_app.app import ServeConfig, validate_vllm_config, vllm_engine_config, vllm_llm_config
 
-    cfg = ServeConfig(engine="vllm", drafter=str(serve_drafter), target=str(target_dir), gamma=GAMMA, gpu=True)
+    cfg = ServeConfig(engine="vllm", drafter=str(serve_drafter), target=str(target_dir), num_speculative_tokens=GAMMA, gpu=True)
     d = vllm_engine_config(cfg)
     assert d["model"] == str(target_dir) and d["max_num_seqs"] == cfg.max_batch
     assert d["speculative_config"] == {"method": "dspark", "model": str(serve_drafter), "num_speculative_tokens": GAMMA,

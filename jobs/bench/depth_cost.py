@@ -58,10 +58,10 @@ def run(args, harness) -> dict:
     prompts = [chat_prompt_ids(tok, p) for p in load_prompts(args)]
     runner = TargetRunner.from_pretrained(str(target), dtype=args.dtype, device="cpu", max_seq_len=2048)
     drafter = build_drafter(args, target).eval()
-    gamma = drafter.cfg.block_size  # num_speculative_tokens <= the block size
-    depths = sorted({k for k in args.depths if 1 <= k <= gamma})
+    block_size = drafter.cfg.block_size  # num_speculative_tokens <= the block size
+    depths = sorted({k for k in args.depths if 1 <= k <= block_size})
     if not depths:
-        raise SystemExit(f"--depths: none in 1..{gamma} (the drafter's block size)")
+        raise SystemExit(f"--depths: none in 1..{block_size} (the drafter's block size)")
     engines = {"plain": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok)}
     for k in depths:
         spec = SpecConfig(method=drafter.cfg.kind, num_speculative_tokens=k, scheduler="fixed",

@@ -77,7 +77,7 @@ def plot(rows: list[dict], suites: list[str], png: Path) -> None:
         for x, y, label in pts:
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7, color=f"C{i}")
     ax.set_xlabel("share of the suite's domain in the training samples")
-    ax.set_ylabel("tau (replayed greedy rounds, gamma = 7)")
+    ax.set_ylabel("tau (replayed greedy rounds, block size 7)")
     ax.set_title("benchmark tau against its domain's share of the training data")
     ax.grid(alpha=0.3)
     ax.legend()

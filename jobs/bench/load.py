@@ -66,7 +66,8 @@ def add_arguments(p) -> None:
     add_prompt_arguments(p)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--gamma", type=int, default=None, help="γ for fixed / cap for the load-aware scheduler")
+    p.add_argument("--num-speculative-tokens", "--gamma", type=int, default=None, dest="num_speculative_tokens",
+                   help="the verification depth cap: every round for fixed, at most for the load-aware scheduler")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", default="float32")
@@ -401,7 +402,7 @@ def run(args, harness) -> dict:
 
     try:
         for label, fields in deployments.items():  # side by side: one application per system
-            cfg = ServeConfig(target=target, replicas=args.replicas, port=args.port, gamma=args.gamma,
+            cfg = ServeConfig(target=target, replicas=args.replicas, port=args.port, num_speculative_tokens=args.num_speculative_tokens,
                               max_batch=args.max_batch, threads=args.threads, model_name="m",
                               stream_interval=args.stream_interval, **fields)
             t0 = time.time()

@@ -1,6 +1,7 @@
 """Typed job configs: a dataclass -> argparse flags (+ optional ``--config file.yaml|json``) -> the dataclass.
 
-Each field's ``metadata={"help": ...}`` becomes the flag's help text; values come, in increasing priority, from the
+Each field's ``metadata={"help": ...}`` becomes the flag's help text (``"aliases": ["--old-name"]`` adds other
+spellings of the same flag, also accepted as keys of the config file); values come, in increasing priority, from the
 dataclass default, the config file, then the command line.  ``list[...]`` fields take several values
 (``--prompts a.jsonl b.jsonl``) or may be repeated.
 """
@@ -41,18 +42,18 @@ def build_parser(cls, description: str, epilog: str | None = None) -> argparse.A
         tp, is_list = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", [])]
         help_ = f.metadata.get("help", "")
         help_ = f"{help_} (default: {default})" if default not in (None, [], "") else help_
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=help_)
         if tp is bool and not is_list:
-            p.add_argument(flag, type=_str2bool, nargs="?", const=True, metavar="BOOL", **kw)
+            p.add_argument(*flags, type=_str2bool, nargs="?", const=True, metavar="BOOL", **kw)
             continue
         conv = tp if tp in (int, float, str) else (Path if tp is Path else str)
         if is_list:
-            p.add_argument(flag, type=conv, nargs="+", action="extend", **kw)
+            p.add_argument(*flags, type=conv, nargs="+", action="extend", **kw)
         else:
-            p.add_argument(flag, type=conv, **kw)
+            p.add_argument(*flags, type=conv, **kw)
         if "choices" in f.metadata:
             p._actions[-1].choices = f.metadata["choices"]
     return p
@@ -77,6 +78,9 @@ def parse_config(cls, argv=None, description: str = "", epilog: str | None = Non
     ns = vars(parser.parse_args(argv))
     cfg_file = ns.pop("config", None)
     values = load_config_file(cfg_file) if cfg_file else {}
+    aliases = {a.lstrip("-").replace("-", "_"): f.name for f in dataclasses.fields(cls)
+               for a in f.metadata.get("aliases", [])}
+    values = {aliases.get(k, k): v for k, v in values.items()}
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names
     if unknown:

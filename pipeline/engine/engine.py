@@ -37,7 +37,6 @@ from typing import Iterable, Sequence
 import torch
 
 from pipeline.engine.cuda_graphs import StaticDraftProposer, StaticShapes, StaticTargetForward
-from pipeline.dspark.checkpoint import load_drafter
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.engine.rejection_sampler import RejectionSampler, VerifyResult
 from pipeline.ops.sampling import SamplingParams
@@ -53,8 +52,7 @@ class SpecConfig:
     """vLLM-style ``speculative_config`` plus the scheduler choice."""
 
     method: str | None = None  # 'dspark' | 'dflash' | None (no speculation)
-    model: str | None = None  # drafter checkpoint folder (used when no drafter object is passed)
-    num_speculative_tokens: int | None = None  # <= drafter block size γ; None -> γ
+    num_speculative_tokens: int | None = None  # the verification depth cap, <= the drafter's block size; None -> it
     draft_sample_method: str = "probabilistic"  # 'greedy' | 'probabilistic'
     rejection_sample_method: str = "standard"  # 'standard' | 'block'
     scheduler: str | VerificationScheduler = "fixed"  # 'fixed' | 'threshold' | 'hardware' | 'async' | instance
@@ -76,6 +74,16 @@ class SpecConfig:
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {self.draft_sample_method!r}")
         if self.rejection_sample_method not in ("standard", "block"):
             raise ValueError("rejection_sample_method must be 'standard' or 'block'")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+    def resolve(self, block_size: int) -> int:
+        """num_speculative_tokens for a drafter of this block size (None: the block size); the one place the bound
+        is checked."""
+        k = self.num_speculative_tokens
+        if k is not None and not 1 <= k <= int(block_size):
+            raise ValueError(f"num_speculative_tokens {k} outside [1, block_size {block_size}]")
+        return int(block_size) if k is None else int(k)
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpecConfig":
@@ -92,9 +100,9 @@ class SpecConfig:
 class RequestStats:
     """Per-request speculation statistics (docs/dspark.md §6 / §9).  A 'round' is one verification after the prefill."""
 
-    gamma: int = 0
+    num_speculative_tokens: int = 0  # the depth cap the request ran with
     rounds: int = 0
-    proposed: int = 0  # drafts proposed (γ per round)
+    proposed: int = 0  # drafts proposed (the block size per drafted round)
     verified: int = 0  # Σ L (drafts sent to the target)
     accepted: int = 0  # Σ m (accepted drafts, before stop truncation)
     emitted: int = 0  # tokens appended by rounds (m+1, or up to and including a stop) -- τ's numerator
@@ -112,7 +120,7 @@ class RequestStats:
     def merge(self, other: "RequestStats") -> "RequestStats":
         n = max(len(self.verified_at), len(other.verified_at))
         pad = lambda x: list(x) + [0] * (n - len(x))  # noqa: E731
-        return RequestStats(max(self.gamma, other.gamma), self.rounds + other.rounds, self.proposed + other.proposed,
+        return RequestStats(max(self.num_speculative_tokens, other.num_speculative_tokens), self.rounds + other.rounds, self.proposed + other.proposed,
                             self.verified + other.verified, self.accepted + other.accepted,
                             self.emitted + other.emitted,
                             [a + b for a, b in zip(pad(self.verified_at), pad(other.verified_at))],
@@ -206,12 +214,12 @@ class RoundBatch:
     requests: list  # [R] _Request
     num_prefill: int  # P
     # plan depths
-    max_depth: list = field(default_factory=list)  # [R] cap on L_r (budget, cache room, γ); 0 for prefill
+    depth_limits: list = field(default_factory=list)  # [R] most drafts L_r may verify (cap, budget, room); 0 prefill
     depths: list = field(default_factory=list)  # [R] L_r verified drafts (0: prefill, undrafted)
     drafted: list = field(default_factory=list)  # indices into `requests` that were drafted, in scheduler order
     proposal: RoundProposal | None = None
     q_rows: list = field(default_factory=list)  # [R] row of `proposal` per request, -1 when not drafted
-    round_conf: dict = field(default_factory=dict)  # request id -> confidence logits [depth_cap] (record_rounds)
+    round_conf: dict = field(default_factory=dict)  # request id -> confidence logits [cap] (record_rounds)
     propose_s: float = 0.0
     # build the forward
     inputs: list = field(default_factory=list)  # [R] token lists: the prompt, or [x_0, x_1..x_L]
@@ -221,15 +229,6 @@ class RoundBatch:
     target_s: float = 0.0
     # verify
     result: VerifyResult | None = None  # m_r and the m_r + 1 tokens per request
-
-
-def _load_drafter(spec: SpecConfig, target):
-    """spec.model (an exported drafter folder) -> drafter, re-attached to the target's frozen embedding / LM head."""
-    source = getattr(target, "source", None)
-    if source is None:
-        raise ValueError("loading spec_config.model needs a TargetRunner built from an HF folder "
-                         "(TargetRunner.from_pretrained(path)); otherwise pass the drafter object")
-    return load_drafter(spec.model, source, dtype=target.dtype, device=target.device)
 
 
 def drafter_config(drafter):
@@ -248,9 +247,8 @@ class SpeculativeEngine:
         self.target = target_runner
         self.spec = spec_config if isinstance(spec_config, SpecConfig) else SpecConfig.from_dict(spec_config)
         if drafter is None and self.spec.method is not None:
-            if not self.spec.model:
-                raise ValueError(f"method {self.spec.method!r} needs a drafter object or spec_config.model")
-            drafter = _load_drafter(self.spec, target_runner)
+            raise ValueError(f"method {self.spec.method!r} needs a drafter (pipeline.dspark.checkpoint.load_drafter "
+                             "loads an exported one)")
         if self.spec.method is None:
             drafter = None
         self.drafter = drafter
@@ -263,17 +261,13 @@ class SpeculativeEngine:
         self.max_model_len = min(int(max_model_len or target_runner.max_seq_len), int(target_runner.max_seq_len))
         if drafter is not None:
             dcfg = drafter_config(drafter)
-            g = int(dcfg.block_size)
-            k = self.spec.num_speculative_tokens
-            if k is not None and not 1 <= k <= g:
-                raise ValueError(f"num_speculative_tokens {k} outside [1, block_size {g}]")
-            self.gamma = g
-            self.depth_cap = g if k is None else int(k)
+            self.block_size = int(dcfg.block_size)  # drafts proposed per drafted round
+            self.num_speculative_tokens = self.spec.resolve(self.block_size)  # at most this many verified
             self.aux_layer_ids = list(dcfg.aux_layer_ids)
         else:
-            self.gamma = self.depth_cap = 0
+            self.block_size = self.num_speculative_tokens = 0
             self.aux_layer_ids = []
-        self.scheduler = make_scheduler(self.spec.scheduler, num_speculative_tokens=self.depth_cap,
+        self.scheduler = make_scheduler(self.spec.scheduler, num_speculative_tokens=self.num_speculative_tokens,
                                         cost_table=self.spec.cost_table, threshold=self.spec.confidence_threshold,
                                         temperatures=self.spec.sts_temperatures, lag=self.spec.async_lag)
         self.sampler = RejectionSampler(self.spec.rejection_sample_method)
@@ -299,7 +293,7 @@ class SpeculativeEngine:
         """Run the forwards that fit ``shapes``' buckets (and a DSparkDrafter's drafting rounds) padded to fixed
         shapes; ``capture`` records each bucket in a CUDA graph (CUDA only), without it the padded computation runs
         eagerly (how the CPU tests check padding against the ragged path)."""
-        shapes = shapes or StaticShapes(max_tokens=self.depth_cap + 1)
+        shapes = shapes or StaticShapes(max_tokens=self.num_speculative_tokens + 1)
         self.target.static_forward = StaticTargetForward(self.target, shapes, capture=capture)
         if isinstance(self.drafter, DSparkDrafter):
             self.static_draft = StaticDraftProposer(self.drafter, shapes, capture=capture)
@@ -334,8 +328,9 @@ class SpeculativeEngine:
         gen = torch.Generator().manual_seed(int(params.seed)) if params.seed is not None else None
         req = _Request(rid, prompt, params, int(max_tokens), stop, frozenset(ids), gen,
                        stop_window=(4 * max(len(s) for s in stop) + 4) if stop else 0,
-                       stats=RequestStats(gamma=self.depth_cap, verified_at=[0] * self.depth_cap,
-                                          accepted_at=[0] * self.depth_cap),
+                       stats=RequestStats(num_speculative_tokens=self.num_speculative_tokens,
+                                          verified_at=[0] * self.num_speculative_tokens,
+                                          accepted_at=[0] * self.num_speculative_tokens),
                        arrival=next(self._arrivals))
         req.slot = self.target.alloc()
         self.requests[rid] = req
@@ -407,14 +402,14 @@ class SpeculativeEngine:
         T = self.target
         P = batch.num_prefill
         R = len(batch.requests)
-        batch.max_depth = [0] * R
+        batch.depth_limits = [0] * R
         batch.depths = [0] * R
         batch.q_rows = [-1] * R
         for i in range(P, R):
             r = batch.requests[i]
-            md = min(self.depth_cap, r.max_tokens - len(r.output_ids) - 1, self.max_model_len - T.length(r.slot) - 1)
-            batch.max_depth[i] = max(0, md)
-        spec = [i for i in range(P, R) if batch.max_depth[i] > 0] if self.drafter is not None else []
+            md = min(self.num_speculative_tokens, r.max_tokens - len(r.output_ids) - 1, self.max_model_len - T.length(r.slot) - 1)
+            batch.depth_limits[i] = max(0, md)
+        spec = [i for i in range(P, R) if batch.depth_limits[i] > 0] if self.drafter is not None else []
         # a seeded sampling request's random stream must not depend on the batch it shares: skipping the drafting
         # round (a batch-level decision) would change what it consumes, so such a round drafts anyway
         if (spec and not self.scheduler.draft_this_round(len(spec))
@@ -432,18 +427,18 @@ class SpeculativeEngine:
         batch.proposal = prop
         for i in spec:
             batch.q_rows[i] = prop.rows[batch.requests[i].request_id]
-        conf_rows = None  # [len(spec), depth_cap] fp32, in the order of `spec`
+        conf_rows = None  # [len(spec), num_speculative_tokens] fp32, in the order of `spec`
         if prop.conf is not None:
-            conf_rows = prop.conf[torch.tensor([batch.q_rows[i] for i in spec])][:, :self.depth_cap]
-        ds = self.scheduler.schedule(conf_rows, [batch.max_depth[i] for i in spec])
+            conf_rows = prop.conf[torch.tensor([batch.q_rows[i] for i in spec])][:, :self.num_speculative_tokens]
+        ds = self.scheduler.schedule(conf_rows, [batch.depth_limits[i] for i in spec])
         if self.record_rounds and conf_rows is not None:
             batch.round_conf = {batch.requests[i].request_id: conf_rows[j].tolist() for j, i in enumerate(spec)}
         for i, d in zip(spec, ds):
             if batch.requests[i].seeded_sampling:
                 # a seeded sampling request is verified at full depth (vLLM's fixed num_speculative_tokens): its
                 # random stream, hence its output, then depends on its seed only, not on the batch or the load
-                d = batch.max_depth[i]
-            batch.depths[i] = int(min(d, batch.max_depth[i]))
+                d = batch.depth_limits[i]
+            batch.depths[i] = int(min(d, batch.depth_limits[i]))
         self.timers.schedule_s += time.perf_counter() - t1
 
     def _run_target(self, batch: RoundBatch) -> None:
@@ -497,7 +492,7 @@ class SpeculativeEngine:
                 L = batch.depths[i]
                 st = r.stats
                 st.rounds += 1
-                st.proposed += self.gamma if batch.q_rows[i] >= 0 else 0
+                st.proposed += self.block_size if batch.q_rows[i] >= 0 else 0
                 st.verified += L
                 st.accepted += m
                 for k in range(L):

@@ -1,6 +1,6 @@
 """Verification-depth schedulers (docs/dspark.md §6.3, §7), priced by the SPS(B) cost table (pipeline/engine/cost_table.py).
 
-Every scheduler maps one round's drafts to a depth L_r in {0..max_depth_r} per request: how many of the γ drafts the
+Every scheduler maps one round's drafts to a depth L_r in {0..limit_r} per request: how many of the γ drafts the
 target verifies (the round then costs L_r + 1 target tokens).  Inputs are the drafter's confidence LOGITS z_{r,k}
 ([R, γ] tensor or None); schedulers that use calibrated probabilities apply Sequential Temperature Scaling
 (c_k = σ(z_k / T_k), identity when no temperatures are given).
@@ -26,11 +26,11 @@ SCHEDULERS = ("fixed", "threshold", "hardware", "async")
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
-def survival(conf: torch.Tensor, max_depth: Sequence[int]) -> torch.Tensor:
+def survival(conf: torch.Tensor, limits: Sequence[int]) -> torch.Tensor:
     """a_{r,j} = prod_{i<=j} c_{r,i}, zeroed beyond each request's max depth.  [R, γ] float64."""
     a = conf.double().cumprod(-1)
     g = a.shape[-1]
-    md = torch.as_tensor(list(max_depth), dtype=torch.long, device=a.device).clamp(0, g)
+    md = torch.as_tensor(list(limits), dtype=torch.long, device=a.device).clamp(0, g)
     keep = torch.arange(g, device=a.device)[None, :] < md[:, None]
     return torch.where(keep, a, torch.zeros_like(a))
 
@@ -204,12 +204,12 @@ class LiveRoundCost:
 
 # ----------------------------------------------------------------------------------------------------- schedulers
 class VerificationScheduler:
-    """depths = scheduler.schedule(conf_logits [R, γ] or None, max_depth per request)."""
+    """depths = scheduler.schedule(conf_logits [R, γ] or None, limits: the most drafts each request may verify)."""
 
     name = "base"
     needs_confidence = False
 
-    def schedule(self, conf_logits: torch.Tensor | None, max_depth: Sequence[int]) -> list:
+    def schedule(self, conf_logits: torch.Tensor | None, limits: Sequence[int]) -> list:
         raise NotImplementedError
 
     def draft_this_round(self, num_requests: int) -> bool:
@@ -231,18 +231,19 @@ class VerificationScheduler:
 
 
 class FixedDepth(VerificationScheduler):
-    """Verify min(k, max_depth) drafts (k = None: all of them)."""
+    """Verify min(num_speculative_tokens, limit) drafts (None: as many as the limit allows)."""
 
     name = "fixed"
 
-    def __init__(self, k: int | None = None):
-        self.k = k
+    def __init__(self, num_speculative_tokens: int | None = None):
+        self.num_speculative_tokens = num_speculative_tokens
 
-    def schedule(self, conf_logits, max_depth):
-        return [int(m) if self.k is None else min(int(self.k), int(m)) for m in max_depth]
+    def schedule(self, conf_logits, limits):
+        k = self.num_speculative_tokens
+        return [int(m) if k is None else min(int(k), int(m)) for m in limits]
 
     def draft_this_round(self, num_requests):
-        return self.k is None or self.k > 0
+        return self.num_speculative_tokens is None or self.num_speculative_tokens > 0
 
 
 class StaticThreshold(VerificationScheduler):
@@ -255,11 +256,11 @@ class StaticThreshold(VerificationScheduler):
     def __init__(self, theta: float):
         self.theta = float(theta)
 
-    def schedule(self, conf_logits, max_depth):
+    def schedule(self, conf_logits, limits):
         if self.theta <= 0 or conf_logits is None:
-            return [int(m) for m in max_depth]
+            return [int(m) for m in limits]
         ok = (torch.sigmoid(conf_logits.double()) >= self.theta).long().cumprod(-1).sum(-1).tolist()
-        return [min(int(o), int(m)) for o, m in zip(ok, max_depth)]
+        return [min(int(o), int(m)) for o, m in zip(ok, limits)]
 
 
 class _SharedHardware:
@@ -319,9 +320,9 @@ class _SharedHardware:
             self.online.observe(self._last_a, verified, accepted)
         self._last_a = None
 
-    def _survival(self, conf_logits: torch.Tensor, max_depth: Sequence[int]) -> torch.Tensor:
+    def _survival(self, conf_logits: torch.Tensor, limits: Sequence[int]) -> torch.Tensor:
         """Calibrated survival (STS), corrected online when enabled; remembered for observe_acceptance."""
-        a = survival(calibrated_confidence(conf_logits, self.temperatures), max_depth)
+        a = survival(calibrated_confidence(conf_logits, self.temperatures), limits)
         if self.online is not None:
             a = self.online.apply(a)
         self._last_a = a
@@ -406,10 +407,10 @@ class Algorithm1(_SharedHardware, VerificationScheduler):
         self._reset_shared()
         self._gain_avg = {}
 
-    def schedule(self, conf_logits, max_depth):
+    def schedule(self, conf_logits, limits):
         if conf_logits is None:
             raise ValueError("Algorithm1 needs confidence logits (a DSpark drafter)")
-        a = self._survival(conf_logits, max_depth)
+        a = self._survival(conf_logits, limits)
         depths, _ = self._search(a, self.early_stop)
         self.last_gain = g = self._drafting_gain(a, depths)
         if self.gain_ema is None:
@@ -475,13 +476,13 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
             return self.initial_capacity
         return self._hist[0][0]
 
-    def schedule(self, conf_logits, max_depth):
+    def schedule(self, conf_logits, limits):
         if conf_logits is None:
             raise ValueError("AsyncCapacity needs confidence logits (a DSpark drafter)")
-        R = len(max_depth)
-        a = self._survival(conf_logits, max_depth)
+        R = len(limits)
+        a = self._survival(conf_logits, limits)
         cap = self.capacity()
-        K = sum(int(m) for m in max_depth) if cap is None else max(0, int(cap) - R)
+        K = sum(int(m) for m in limits) if cap is None else max(0, int(cap) - R)
         if self.budget is not None:
             K = min(K, max(0, self.budget - R))
         depths = [0] * R

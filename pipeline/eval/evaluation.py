@@ -56,12 +56,13 @@ class EvalConfig:
     top_k: int = top_k_field("for target and drafter")
     seed: int = field(default=0, metadata={"help": "sampling seed (each prompt gets seed + index)"})
     scheduler: str = field(default="fixed", metadata={
-        "help": "verification depth: fixed (= --depth), threshold (static θ), hardware (Algorithm 1), async",
+        "help": "verification depth: fixed (= --num-speculative-tokens), threshold (static θ), hardware (Algorithm 1), async",
         "choices": list(SCHEDULERS)})
     also_schedulers: list[str] = field(default_factory=list, metadata={
         "help": "run each drafter WITH a confidence head again under these schedulers (system label@scheduler), "
                 "e.g. --scheduler fixed --also-schedulers hardware compares fixed depth with Algorithm 1"})
-    depth: int | None = field(default=None, metadata={"help": "num_speculative_tokens (default: the block size)"})
+    num_speculative_tokens: int | None = field(default=None, metadata={
+        "help": "the verification depth cap (default: the drafter's block size)", "aliases": ["--depth"]})
     threshold: float = field(default=0.5, metadata={"help": "θ for --scheduler threshold"})
     cost_table: Path | None = field(default=None, metadata={"help": "SPS(B) JSON for hardware/async (default: "
                                                                     "profiled now)"})
@@ -128,8 +129,9 @@ def load_heldout_suites(train_dir: Path, responses: Path | None, limit: int) -> 
     return [(f"heldout-{tag}", subsample(rows, limit)) for tag, rows in sorted(by_tag.items())]
 
 
-def summarize(records: list[dict], gamma: int) -> dict:
-    """records: one per (prompt, system): stats dict, rounds (list of {L, m, conf}), tokens, seconds."""
+def summarize(records: list[dict], cap: int) -> dict:
+    """records: one per (prompt, system): stats dict, rounds (list of {L, m, conf}), tokens, seconds; cap: the
+    system's num_speculative_tokens (0: no speculation)."""
     rounds = sum(r["stats"]["rounds"] for r in records)
     emitted = sum(r["stats"]["emitted"] for r in records)
     verified = sum(r["stats"]["verified"] for r in records)
@@ -138,21 +140,21 @@ def summarize(records: list[dict], gamma: int) -> dict:
     secs = sum(r["seconds"] for r in records)
     out = dict(prompts=len(records), generated_tokens=tokens, wall_seconds=secs,
                tokens_per_s=tokens / secs if secs else 0.0, rounds=rounds)
-    if gamma:
-        v_at = [sum(r["stats"]["verified_at"][k] for r in records) for k in range(gamma)]
-        a_at = [sum(r["stats"]["accepted_at"][k] for r in records) for k in range(gamma)]
+    if cap:
+        v_at = [sum(r["stats"]["verified_at"][k] for r in records) for k in range(cap)]
+        a_at = [sum(r["stats"]["accepted_at"][k] for r in records) for k in range(cap)]
         cum = [a / v if v else None for a, v in zip(a_at, v_at)]
         cond = [cum[0]] + [(cum[k] / cum[k - 1]) if cum[k] is not None and cum[k - 1] else None
-                           for k in range(1, gamma)]
+                           for k in range(1, cap)]
         out.update(tau=emitted / rounds if rounds else 0.0, mean_verified_depth=verified / rounds if rounds else 0.0,
                    verify_rate=(accepted + rounds) / (verified + rounds) if rounds else 0.0,
                    cumulative_acceptance=cum, conditional_acceptance=cond)
-        out.update(confidence_metrics(records, gamma))
+        out.update(confidence_metrics(records, cap))
     return out
 
 
-def confidence_metrics(records: list[dict], gamma: int) -> dict:
-    z, y = full_length_rounds([rd for r in records for rd in r["rounds"]], gamma)
+def confidence_metrics(records: list[dict], cap: int) -> dict:
+    z, y = full_length_rounds([rd for r in records for rd in r["rounds"]], cap)
     if len(z) < 2:
         return {}
     rep = calibration_report(torch.tensor(z), torch.tensor(y))
@@ -264,14 +266,14 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
         if label in cfg.no_bias_cache:
             d.markov_head.bias_cache = None
         for i, sch in enumerate(drafter_schedulers(cfg, bool(d.cfg.enable_confidence_head))):
-            spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.depth, scheduler=sch,
+            spec = SpecConfig(method=d.cfg.kind, num_speculative_tokens=cfg.num_speculative_tokens, scheduler=sch,
                               confidence_threshold=cfg.threshold, cost_table=cost, seed=cfg.seed,
                               draft_sample_method="greedy" if cfg.temperature == 0 else "probabilistic")
             eng = SpeculativeEngine(runners[cfg.spec_dtype], d, spec, tokenizer=tok)
             eng.record_rounds = True
             name = label if i == 0 else f"{label}@{sch}"
             scheduler_of[name] = sch
-            systems.append((name, eng, eng.depth_cap))
+            systems.append((name, eng, eng.num_speculative_tokens))
     results = {"config": json.loads(json.dumps(cfg.__dict__, default=str)),
                "target": str(target), "systems": [s[0] for s in systems], "scheduler_of": scheduler_of,
                "drafter_dtype": str(drafter_dtype).removeprefix("torch."),
@@ -285,19 +287,19 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
                                     seed=cfg.seed + i)
             outs = {}
             # alternate the order prompt by prompt (A B C, C B A, ...): no system always runs first or last
-            for name, eng, gamma in (systems if i % 2 == 0 else systems[::-1]):
-                if gamma:
+            for name, eng, cap in (systems if i % 2 == 0 else systems[::-1]):
+                if cap:
                     eng.round_log = []
                 t0 = time.perf_counter()
                 out = eng.generate([p["prompt_ids"]], params, max_tokens=cfg.max_new_tokens)[0]
                 dt = time.perf_counter() - t0
                 rec = dict(id=p["id"], stats=out.stats.to_dict(), tokens=len(out.output_ids), seconds=dt,
-                           rounds=list(eng.round_log) if gamma else [])
+                           rounds=list(eng.round_log) if cap else [])
                 recs[name].append(rec)
                 outs[name] = out.output_ids
             if cfg.temperature == 0 and ref_name in outs:
-                for name, _, gamma in systems:
-                    if gamma and outs[name] != outs[ref_name]:
+                for name, _, cap in systems:
+                    if cap and outs[name] != outs[ref_name]:
                         mismatches[name] += 1
         results["benchmarks"][suite] = {name: summarize(recs[name], g) for name, _, g in systems}
         for name in recs:
@@ -357,8 +359,8 @@ def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n
 
     fig, ax = plt.subplots(figsize=(4.5, 4.2))
     ax.plot([0, 1], [0, 1], "k--", lw=0.8)
-    for name, gamma in systems:
-        logits, labels = full_length_rounds([rd for r in records[name] for rd in r["rounds"]], gamma)
+    for name, cap in systems:
+        logits, labels = full_length_rounds([rd for r in records[name] for rd in r["rounds"]], cap)
         if not logits:
             continue
         z = torch.sigmoid(torch.tensor(logits)).cumprod(-1).flatten()  # prefix survival a_k
@@ -377,7 +379,7 @@ def plot_reliability(records: dict, systems: list[tuple[str, int]], png: Path, n
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    else:  # e.g. --scheduler hardware: rounds verified fewer than gamma drafts, so no round shows every prefix
+    else:  # e.g. --scheduler hardware: rounds verified fewer than the cap's drafts, so no round shows every prefix
         ax.text(0.5, 0.5, "no full-depth rounds to score\n(run with --scheduler fixed)", ha="center", va="center",
                 transform=ax.transAxes)
     fig.tight_layout()

@@ -95,24 +95,24 @@ def heldout_rows(train_dir: Path, responses: Path | None = None) -> list[tuple[s
     return rows
 
 
-def full_length_rounds(rounds, gamma: int) -> tuple[list, list]:
+def full_length_rounds(rounds, num_speculative_tokens: int) -> tuple[list, list]:
     """Engine round records -> (confidence logits, prefix labels) of the rounds verified at full depth γ only
     (truncated rounds would bias the labels; docs/dspark.md §4).  Label k is 1 iff drafts 1..k were all accepted."""
     z, y = [], []
     for rd in rounds:
-        if rd["conf"] is not None and rd["L"] == gamma:
-            z.append(rd["conf"][:gamma])
-            y.append([1.0 if k < rd["m"] else 0.0 for k in range(gamma)])
+        if rd["conf"] is not None and rd["L"] == num_speculative_tokens:
+            z.append(rd["conf"][:num_speculative_tokens])
+            y.append([1.0 if k < rd["m"] else 0.0 for k in range(num_speculative_tokens)])
     return z, y
 
 
 def rollout(engine, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int, batch: int):
     """Full-length rounds -> (logits [N, γ], prefix labels [N, γ])."""
-    gamma = engine.depth_cap
+    cap = engine.num_speculative_tokens
     engine.record_rounds, engine.round_log = True, []
     for i in range(0, len(prompts), batch):
         engine.generate(prompts[i:i + batch], params, max_tokens=max_new_tokens)
-    z, y = full_length_rounds(engine.round_log, gamma)
+    z, y = full_length_rounds(engine.round_log, cap)
     if len(z) < 10:
         raise RuntimeError(f"only {len(z)} full-length rounds collected; use more prompts or tokens")
     return torch.tensor(z, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)

@@ -37,7 +37,7 @@ class TrainConfig:
         "help": "draft layers (1-5; the paper uses 5 for 8B targets). For SmolLM2-135M on CPU one layer that sees "
                 "more data beat 2 and 3 at equal training time, at 0.5 M and at 1.5 M supervised positions "
                 "(docs/results/levers.md)"})
-    block_size: int = field(default=7, metadata={"help": "gamma: draft tokens per block"})
+    block_size: int = field(default=7, metadata={"help": "draft tokens per block (γ)"})
     markov_rank: int = field(default=256, metadata={"help": "Markov head rank r (dspark)"})
     markov_head: str = field(default="vanilla", metadata={"help": "sequential head", "choices": ["vanilla", "gated", "rnn"]})
     markov_w1: str = field(default="table", metadata={

@@ -114,8 +114,8 @@ def plot_learning_curves(runs: dict[str, Path], png: Path, title: str | None = N
             ax.plot([x for x, _ in walks[label]], [y for _, y in walks[label]], marker="o", ms=3, ls="--",
                     color=line.get_color(), label=f"{label} (replayed rounds)")
     ax.set_xlabel("supervised positions seen" if x == "positions" else "training seconds (evaluations left out)")
-    ax.set_ylabel("held-out greedy tau (depth gamma)" if key == "heldout_tau"
-                  else f"greedy tau on {key.removeprefix('eval_tau_')} (depth gamma)")
+    ax.set_ylabel("held-out greedy tau (depth = block size)" if key == "heldout_tau"
+                  else f"greedy tau on {key.removeprefix('eval_tau_')} (depth = block size)")
     ax.set_title(title or "learning curve")
     ax.grid(alpha=0.3)
     ax.legend()
