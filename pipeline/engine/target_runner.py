@@ -74,6 +74,28 @@ def parse_precision(spec: str | torch.dtype) -> tuple[torch.dtype, str | None]:
     return as_dtype(name), (backend or None)
 
 
+def choose_linear_backend(backend: str | None, dtype: torch.dtype, device: torch.device, hidden_size: int) -> str:
+    """The CPU linear back end of a runner: ``backend`` as asked (checked against this machine), or automatic: on CPU
+    fp32, ``smallm`` where the small-M kernel beats the packed layout at 1 and 8 rows, else ``hybrid`` where MKL's
+    F.linear beats the packed layout at 1 row and ``packed`` where it does not (each measured once per process:
+    packed_linear.kernel_wins_few_rows, flinear_wins_one_row); bf16: ``hybrid``; without oneDNN (or on a GPU)
+    ``mkl`` (F.linear)."""
+    can_pack = device.type == "cpu" and pl.available()
+    if backend in ("packed", "hybrid", "tuned", "smallm") and not can_pack:
+        raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
+    if backend == "smallm" and not sm.available():
+        raise ValueError(f"the 'smallm' linear back end is unavailable here: {sm.unavailable_reason()}")
+    if backend == "packed" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        raise ValueError("bfloat16:packed needs a CPU with native bf16 (avx512_bf16 or amx_bf16) and this one "
+                         "has none: use float32:packed (or bfloat16, emulated)")
+    if backend is None and can_pack:
+        if dtype == torch.float32 and pl.kernel_wins_few_rows(hidden_size):
+            return "smallm"
+        one_row_flinear = dtype != torch.float32 or pl.flinear_wins_one_row(hidden_size)
+        return "hybrid" if one_row_flinear else "packed"
+    return backend or "mkl"
+
+
 @dataclass
 class TargetConfig:
     model_type: str
@@ -89,6 +111,39 @@ class TargetConfig:
     sliding_windows: list  # per layer: None or window size
     max_position_embeddings: int
     eos_token_ids: list = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, hf_model) -> "TargetConfig":
+        """The shapes and switches of a transformers CausalLM (Llama family), checked: ValueError for an
+        architecture this runner does not implement."""
+        hf_cfg = getattr(hf_model.config, "text_config", None) or hf_model.config
+        mt = getattr(hf_cfg, "model_type", "llama")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        act = getattr(hf_cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} not supported (SwiGLU with silu only)")
+        H, KVH = hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads
+        L = hf_cfg.num_hidden_layers
+        sw = getattr(hf_cfg, "sliding_window", None)
+        layer_types = getattr(hf_cfg, "layer_types", None)
+        if mt == "mistral":
+            windows = [sw] * L
+        elif layer_types is not None:
+            windows = [sw if t == "sliding_attention" else None for t in layer_types]
+        else:
+            windows = [None] * L
+        eos = []
+        gen_cfg = getattr(hf_model, "generation_config", None)
+        for src in (getattr(gen_cfg, "eos_token_id", None), getattr(hf_cfg, "eos_token_id", None)):
+            for e in ([] if src is None else src if isinstance(src, (list, tuple)) else [src]):
+                if int(e) not in eos:
+                    eos.append(int(e))
+        return cls(model_type=mt, vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size, num_layers=L,
+                   num_heads=H, num_kv_heads=KVH, head_dim=getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // H,
+                   intermediate_size=hf_cfg.intermediate_size, rms_norm_eps=hf_cfg.rms_norm_eps, qk_norm=(mt == "qwen3"),
+                   sliding_windows=windows,
+                   max_position_embeddings=getattr(hf_cfg, "max_position_embeddings", 1 << 20), eos_token_ids=eos)
 
 
 @dataclass
@@ -238,74 +293,58 @@ class TargetRunner:
         self.dtype, backend = parse_precision(dtype)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-        hf_cfg = hf_model.config
-        hf_cfg = getattr(hf_cfg, "text_config", None) or hf_cfg
-        mt = getattr(hf_cfg, "model_type", "llama")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {mt!r} not supported (supported: {SUPPORTED_MODEL_TYPES})")
-        act = getattr(hf_cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} not supported (SwiGLU with silu only)")
-        H, KVH = hf_cfg.num_attention_heads, getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads
-        hd = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // H
-        L = hf_cfg.num_hidden_layers
-        sw = getattr(hf_cfg, "sliding_window", None)
-        layer_types = getattr(hf_cfg, "layer_types", None)
-        if mt == "mistral":
-            windows = [sw] * L
-        elif layer_types is not None:
-            windows = [sw if t == "sliding_attention" else None for t in layer_types]
-        else:
-            windows = [None] * L
-        eos = []
-        gen_cfg = getattr(hf_model, "generation_config", None)
-        for src in (getattr(gen_cfg, "eos_token_id", None), getattr(hf_cfg, "eos_token_id", None)):
-            if src is None:
-                continue
-            for e in (src if isinstance(src, (list, tuple)) else [src]):
-                if int(e) not in eos:
-                    eos.append(int(e))
-        self.config = TargetConfig(
-            model_type=mt, vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size, num_layers=L,
-            num_heads=H, num_kv_heads=KVH, head_dim=hd, intermediate_size=hf_cfg.intermediate_size,
-            rms_norm_eps=hf_cfg.rms_norm_eps, qk_norm=(mt == "qwen3"), sliding_windows=windows,
-            max_position_embeddings=getattr(hf_cfg, "max_position_embeddings", 1 << 20), eos_token_ids=eos)
-        self.hf_config = hf_cfg
+        self.config = TargetConfig.from_hf(hf_model)
+        self.hf_config = getattr(hf_model.config, "text_config", None) or hf_model.config
         self.max_seq_len = int(max_seq_len or self.config.max_position_embeddings)
+        self.linear_backend = choose_linear_backend(backend, self.dtype, self.device, self.config.hidden_size)
+        self.packed_linear = self.linear_backend != "mkl"
+        self._load_weights(hf_model, fp32_lm_head)
+        if huge_page_arena and self.device.type == "cpu":  # the streamed matrices in one huge-page-backed block
+            plain = [w for w in self.linear_weights() if w.weight is not None]
+            for dt_ in {w.weight.dtype for w in plain}:
+                group = [w for w in plain if w.weight.dtype == dt_]
+                for w, t in zip(group, arena_copy([w.weight for w in group])):
+                    w.weight = t
+        self._init_rope(hf_model)
 
-        dev, dt = self.device, self.dtype
+        # KV cache: [layers, slots, max_len, kv_heads, head_dim], in the attention dtype
+        c = self.config
+        if attention_dtype is None:
+            attention_dtype = torch.float32 if (self.device.type == "cpu" and self.dtype == torch.bfloat16 and
+                                                fp32_attention_wins(c.num_heads, c.num_kv_heads, c.head_dim)) \
+                else self.dtype
+        self.cache_dtype = as_dtype(attention_dtype)
+        self._n_slots = 0
+        self._cap = 0
+        self.k_cache = self.v_cache = None
+        self._ensure(init_slots, min(init_len, self.max_seq_len))
+        self.lengths: list[int] = [0] * self._n_slots
+        self._free: list[int] = list(range(self._n_slots - 1, -1, -1))
+        self._used: set[int] = set()
+        self.source: str | None = None  # the HF folder when built by from_pretrained(path)
+        # above this many padded attention scores per head (R * T_max * K_max) a ragged batch attends per request
+        self.max_padded_scores = 1 << 20
+        # a ragged batch mixing requests of more new tokens than this (prompts) with shorter ones (decode and
+        # verification blocks) attends per request for the long ones and padded to the short ones' T_max for the
+        # rest: padding 15 one-token rows to a 98-token prompt made such a round 6x a decode round (2-core CPU)
+        self.short_block = 16
+        # fixed-shape forward for the batches that fit its buckets (pipeline.engine.cuda_graphs.StaticTargetForward;
+        # CUDA graphs on a GPU); None = every forward eager
+        self.static_forward = None
+
+    def _load_weights(self, hf_model, fp32_lm_head: bool) -> None:
+        """The target's weights on the device in the compute dtype; linear layers as PackedWeights of the chosen
+        back end (q/k/v fused, gate/up fused), the LM head in fp32 unless told otherwise."""
+        dev, dt, backend = self.device, self.dtype, self.linear_backend
+        can_pack = dev.type == "cpu" and pl.available()
+        flinear_rows = HYBRID_FLINEAR_ROWS if backend in ("hybrid", "tuned") else 0
+        kernel_rows = sm.MAX_ROWS if backend == "smallm" and dt == torch.float32 else 0
+        # bf16 weights are packed only when asked for ("bfloat16:packed"; choose_linear_backend checked the CPU)
+        pack_bf16 = backend == "packed" and dt == torch.bfloat16 and can_pack
+        packed_dtypes = {torch.float32, torch.bfloat16} if pack_bf16 else {torch.float32}
 
         def P(t):  # parameter -> compute dtype on device
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
-
-        can_pack = self.device.type == "cpu" and pl.available()
-        if backend in ("packed", "hybrid", "tuned", "smallm") and not can_pack:
-            raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
-        if backend == "smallm" and not sm.available():
-            raise ValueError(f"the 'smallm' linear back end is unavailable here: {sm.unavailable_reason()}")
-        # automatic on CPU, fp32: smallm where the small-M kernel beats the packed layout at 1 and 8 rows (an AVX2
-        # EPYC: 23% off the 1- and the 8-token forward); else hybrid where MKL's F.linear beats the packed layout at
-        # 1 row, packed where it does not (an avx512_bf16 EPYC: MKL's 1-2 row GEMM is the slow one); each measured
-        # once per process (packed_linear.kernel_wins_few_rows, flinear_wins_one_row); bf16: hybrid; else F.linear
-        if backend is None and can_pack:
-            if dt == torch.float32 and pl.kernel_wins_few_rows(self.config.hidden_size):
-                backend = "smallm"
-            else:
-                one_row_flinear = dt != torch.float32 or pl.flinear_wins_one_row(self.config.hidden_size)
-                backend = "hybrid" if one_row_flinear else "packed"
-        self.linear_backend = backend or "mkl"
-        self.packed_linear = self.linear_backend != "mkl"
-        flinear_rows = HYBRID_FLINEAR_ROWS if self.linear_backend in ("hybrid", "tuned") else 0
-        kernel_rows = sm.MAX_ROWS if self.linear_backend == "smallm" and dt == torch.float32 else 0
-
-        # bf16 weights are packed only when asked for ("bfloat16:packed") on a CPU with native bf16: measured on a
-        # 2-core EPYC with avx512_bf16, an 8-token forward 29.8 ms packed vs 36.4 ms with F.linear (fp32 packed
-        # 37.4); other dtypes, and bf16 by default, keep F.linear
-        pack_bf16 = backend == "packed" and dt == torch.bfloat16 and can_pack
-        if pack_bf16 and not cpu_has_native_bf16():
-            raise ValueError("bfloat16:packed needs a CPU with native bf16 (avx512_bf16 or amx_bf16) and this one "
-                             "has none: use float32:packed (or bfloat16, emulated)")
-        packed_dtypes = {torch.float32, torch.bfloat16} if pack_bf16 else {torch.float32}
 
         def lin(w, b):
             w, b = P(w), P(b)
@@ -329,7 +368,7 @@ class TargetRunner:
                              torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias], 0)
                              if getattr(mlp.gate_proj, "bias", None) is not None else None)
             ly.down = lin(mlp.down_proj.weight, getattr(mlp.down_proj, "bias", None))
-            ly.window = windows[i]
+            ly.window = self.config.sliding_windows[i]
             self.layers.append(ly)
         self.norm = P(base.norm.weight)
         head = hf_model.lm_head.weight if hasattr(hf_model, "lm_head") else base.embed_tokens.weight
@@ -339,51 +378,26 @@ class TargetRunner:
                                        kernel_rows)
         self.norm_head = self.norm.to(self.head_dtype)
         # {weight group: F.linear up to this many rows}
-        self.flinear_rows = {"all": flinear_rows} if self.linear_backend == "hybrid" else {}
-        if self.linear_backend == "tuned":
+        self.flinear_rows = {"all": flinear_rows} if backend == "hybrid" else {}
+        if backend == "tuned":
             self.flinear_rows = pl.tune_flinear_rows(self.linear_groups())
-        if huge_page_arena and self.device.type == "cpu":  # the streamed matrices in one huge-page-backed block
-            plain = [w for w in self.linear_weights() if w.weight is not None]
-            for dt_ in {w.weight.dtype for w in plain}:
-                group = [w for w in plain if w.weight.dtype == dt_]
-                for w, t in zip(group, arena_copy([w.weight for w in group])):
-                    w.weight = t
 
-        # RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope scaling).
+    def _init_rope(self, hf_model) -> None:
+        """RoPE exactly as transformers: inv_freq + attention_scaling from the HF rotary module (covers rope
+        scaling); the cos / sin tables grow on demand (``_rope``)."""
+        base = hf_model.model if hasattr(hf_model, "model") else hf_model
         rot = getattr(base, "rotary_emb", None)
+        hd = self.config.head_dim
         if rot is not None:
-            self._inv_freq = rot.inv_freq.detach().float().to(dev)
+            self._inv_freq = rot.inv_freq.detach().float().to(self.device)
             self._rope_scale = float(getattr(rot, "attention_scaling", 1.0))
         else:
-            theta = getattr(hf_cfg, "rope_theta", 10000.0)
-            self._inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=dev) / hd))
+            theta = getattr(self.hf_config, "rope_theta", 10000.0)
+            self._inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float, device=self.device) / hd))
             self._rope_scale = 1.0
         self._cos = self._sin = None
         self._rope_len = 0
         self._scale = hd ** -0.5
-
-        # KV cache: [layers, slots, max_len, kv_heads, head_dim], in the attention dtype
-        if attention_dtype is None:
-            attention_dtype = torch.float32 if (self.device.type == "cpu" and dt == torch.bfloat16 and
-                                                fp32_attention_wins(H, KVH, hd)) else dt
-        self.cache_dtype = as_dtype(attention_dtype)
-        self._n_slots = 0
-        self._cap = 0
-        self.k_cache = self.v_cache = None
-        self._ensure(init_slots, min(init_len, self.max_seq_len))
-        self.lengths: list[int] = [0] * self._n_slots
-        self._free: list[int] = list(range(self._n_slots - 1, -1, -1))
-        self._used: set[int] = set()
-        self.source: str | None = None  # the HF folder when built by from_pretrained(path)
-        # above this many padded attention scores per head (R * T_max * K_max) a ragged batch attends per request
-        self.max_padded_scores = 1 << 20
-        # a ragged batch mixing requests of more new tokens than this (prompts) with shorter ones (decode and
-        # verification blocks) attends per request for the long ones and padded to the short ones' T_max for the
-        # rest: padding 15 one-token rows to a 98-token prompt made such a round 6x a decode round (2-core CPU)
-        self.short_block = 16
-        # fixed-shape forward for the batches that fit its buckets (pipeline.engine.cuda_graphs.StaticTargetForward; CUDA
-        # graphs on a GPU); None = every forward eager
-        self.static_forward = None
 
     # ------------------------------------------------------------------ construction
     def linear_weights(self) -> list:
