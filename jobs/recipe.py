@@ -20,6 +20,7 @@ Writes <out>/recipe_results.json (stage times and their estimates, data sizes, t
 <out>/learning_curves.png and the evaluation's PNGs under <out>/eval."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -101,9 +102,10 @@ def main(argv=None):
 
     from actors.extraction import ExtractConfig, run_extraction
     from actors.generation import GenerateConfig, run_generation
-    from jobs.calibrate import main as calibrate_main
-    from jobs.evaluate import main as evaluate_main
-    from jobs.train import main as train_main
+    from jobs import calibrate as calibrate_job
+    from jobs import evaluate as evaluate_job
+    from jobs import train as train_job
+    from pipeline.eval.sts_rollouts import CalibrateConfig
     from pipeline.core.config_cli import parse_config
     from pipeline.eval.evaluation import EvalConfig, planned_systems, single_stream_tok_s
     from pipeline.data.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
@@ -118,7 +120,6 @@ def main(argv=None):
     for b in cfg.benchmarks:
         if not Path(b).is_file():
             raise SystemExit(f"--benchmarks: file not found: {b}")
-    tgt = ["--target", cfg.target] if cfg.target else []
     # the evaluation's own flags, parsed now: its systems set what it costs, and a bad flag fails before anything runs
     eval_flags = ["--scheduler", "fixed", "--also-schedulers", "hardware", *shlex.split(cfg.eval_args)]
     eval_cfg = parse_config(EvalConfig, eval_flags, description="jobs.recipe --eval-args")
@@ -223,18 +224,23 @@ def main(argv=None):
         print("[recipe] stages 1-2: complete, skipped", flush=True)
 
     # --- training: probe the step time, then dspark and dflash with equal steps --------------------------------
-    extra = shlex.split(cfg.train_args)
+    # --train-args: TrainConfig's own flags (the user's, in its command-line syntax), the rest set per run here
+    base_train = parse_config(TrainConfig, ["--data", str(hidden), *shlex.split(cfg.train_args)],
+                              description="jobs.recipe --train-args")
+
+    def train_cfg(kind: str, out_dir: Path, **kw) -> TrainConfig:
+        return dataclasses.replace(base_train, out=out_dir, drafter=kind, target=cfg.target or base_train.target,
+                                   **kw)
 
     def probe_train():
         t = time.time()
-        run = parse_config(TrainConfig, ["--data", str(hidden), *extra])  # the full runs' logging and evaluation
+        run = train_cfg(DRAFTER_KINDS[0], out / "train_probe")  # the full runs' logging and evaluation
         probe_steps, probe_eval = 4 * run.log_every, 2 * run.log_every  # rows at 1-4 x log_every, evaluations at 2, 4
         step_s, fixed_s = {}, 0.0
         for kind in DRAFTER_KINDS:  # each drafter's own step time: a dflash step is the cheaper one
             probe_dir, t_kind = out / f"train_probe_{kind}", time.time()
-            train_main(["--data", str(hidden), "--out", str(probe_dir), "--drafter", kind, *extra,
-                        "--max-steps", str(probe_steps), "--eval-every", str(probe_eval), "--checkpoint-every",
-                        "1000000", *tgt])
+            train_job.run(train_cfg(kind, probe_dir, max_steps=probe_steps, eval_every=probe_eval,
+                                    checkpoint_every=1_000_000))
             rows = [json.loads(x) for x in (probe_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             step_s[kind] = probe_step_seconds([(r["step"], r["time"]) for r in rows if "time" in r],
                                               {probe_eval, probe_steps}, run.eval_every)
@@ -257,27 +263,25 @@ def main(argv=None):
     for kind in DRAFTER_KINDS:
         run_dir = out / f"train_{kind}"
         drafters[kind] = run_dir / "drafter"
-        resume = ["--resume"] if (run_dir / "ray").is_dir() and any((run_dir / "ray").rglob("checkpoint_*")) else []
+        resume = (run_dir / "ray").is_dir() and any((run_dir / "ray").rglob("checkpoint_*"))
         run_stage(f"train {kind}", (drafters[kind] / "config.json").is_file(),
-                  lambda k=kind, d=run_dir, r=resume: train_main(
-                      ["--data", str(hidden), "--out", str(d), "--drafter", k, "--max-steps", str(steps), *r,
-                       *extra, *tgt]))
+                  lambda k=kind, d=run_dir, r=resume: train_job.run(train_cfg(k, d, max_steps=steps, resume=r)))
 
     # --- STS of the dspark drafter's confidence head ------------------------------------------------------------
     calib = drafters["dspark"] / "calibration" / "calibration.json"
     run_stage("calibrate", calib.is_file(),
-              lambda: calibrate_main(["--drafter", str(drafters["dspark"]), "--responses", str(resp), "--limit",
-                                      str(cfg.calib_prompts), "--max-new-tokens", str(cfg.eval_tokens), *tgt]))
+              lambda: calibrate_job.run(CalibrateConfig(drafter=drafters["dspark"], responses=resp,
+                                                        limit=cfg.calib_prompts, max_new_tokens=cfg.eval_tokens,
+                                                        target=cfg.target)))
 
     # --- evaluation: both drafters, the run's held-out prompts and the benchmarks ------------------------------
     ev = out / "eval"
     run_stage("evaluate", (ev / "results.json").is_file(),
-              lambda: evaluate_main(["--drafter", f"dspark={drafters['dspark']}", "--drafter",
-                                     f"dflash={drafters['dflash']}",
-                                     *(["--heldout-of", str(out / "train_dspark")] if cfg.eval_heldout else []),
-                                     *(["--benchmarks", *map(str, cfg.benchmarks)] if cfg.benchmarks else []),
-                                     "--limit", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_tokens),
-                                     "--out", str(ev), *eval_flags, *tgt]))
+              lambda: evaluate_job.run(dataclasses.replace(
+                  eval_cfg, drafter=[f"dspark={drafters['dspark']}", f"dflash={drafters['dflash']}"],
+                  heldout_of=out / "train_dspark" if cfg.eval_heldout else None,
+                  benchmarks=[Path(b) for b in cfg.benchmarks], limit=cfg.eval_prompts,
+                  max_new_tokens=cfg.eval_tokens, out=ev, target=cfg.target or eval_cfg.target)))
 
     # --- results ------------------------------------------------------------------------------------------------
     plot_learning_curves({k: out / f"train_{k}" / "metrics.jsonl" for k in drafters}, out / "learning_curves.png",

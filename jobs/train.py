@@ -44,7 +44,12 @@ CHECKPOINTS_KEPT = 2
 
 def main(argv=None):
     apply_env()
-    cfg = parse_config(TrainConfig, argv, description=__doc__)
+    return run(parse_config(TrainConfig, argv, description=__doc__))
+
+
+def run(cfg: TrainConfig):
+    """Train (or, with --dry-run, print the plan of) the run ``cfg`` describes; what jobs.recipe and jobs.miniature
+    call for their training stage."""
     cfg.out, cfg.data = cfg.out.resolve(), cfg.data.resolve()
     if cfg.dry_run:
         return print_plan(dry_run(cfg))
