@@ -12,8 +12,8 @@ stay in its node's segment (``segment_name``), and only a reader on another node
 engine (TCP).
 
 The segment's memory is pre-faulted when the server starts (``prefault=True``): the server allocates it lazily, and
-a put into never-touched memory pays the page faults - measured 35 ms instead of 1.7 ms for a 9.45 MB sample on a
-2-core CPU (AMD EPYC) VM, where first-touch faults cost ~4 us per 4 KiB page.
+a put into never-touched memory pays a first-touch fault for every 4 KiB page it writes, which can cost many times
+the copy itself (measurements: docs/results/mooncake.md).
 
     with MooncakeMaster(segment_bytes=2 << 30) as master:       # free loopback ports, waits until ready
         ep = master.endpoint                                    # MooncakeEndpoint: plain strings, picklable

@@ -95,7 +95,8 @@ def actor_memory_estimate(target: str, dtype: str = "auto", kv_cache: bool = Tru
     """Bytes to reserve for one engine actor: 1.25 x (the target's weights at the compute precision + vLLM's CPU KV
     cache (``VLLM_CPU_KVCACHE_SPACE`` GiB, allocated whole at start; CPU engines only -- on CUDA it lives in GPU
     memory; ``kv_cache=False`` for the transformers extractor) + 1.3 GiB runtime).  SmolLM2-135M in fp32 on CPU:
-    1.25 x (0.5 + 2 + 1.3) = 4.8 GiB; Ray Data measured a 3.8 GiB peak per generator actor and recommended 4.8 GiB."""
+    1.25 x (0.5 + 2 + 1.3) = 4.8 GiB, which covers the peak Ray Data observes per generator actor with the headroom
+    it asks for (measurements: docs/results/data_stages.md)."""
     return engine_host_bytes(weight_bytes(target, engine_dtype(dtype, layout)), cpu_kv_cache_gb(), layout,
                              ACTOR_RUNTIME_BYTES, MEMORY_HEADROOM, kv_cache)
 

@@ -340,7 +340,7 @@ def validate_vllm_config(d: dict, check_against_vllm: bool = True) -> None:
 
 def vllm_class_fields(rel_path: str, class_name: str) -> set:
     """Field names (annotated class attributes) of a vLLM config class, read from the installed vLLM's SOURCE with
-    ``ast`` -- importing vLLM costs ~15 s and can fail on CPU machines (docs/environment.md).  Empty set when vLLM or the
+    ``ast`` -- importing vLLM is slow and can fail on CPU machines (docs/environment.md).  Empty set when vLLM or the
     class is absent."""
     try:
         spec = importlib.util.find_spec("vllm")

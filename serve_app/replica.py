@@ -194,8 +194,8 @@ class EngineReplica:
         # Every torch computation of the replica runs on the executor's one thread, the engine's construction (weights,
         # kernel probes, SPS profile) included.  A second thread that has run an OpenMP parallel region keeps a
         # worker pool of its own; libgomp, then counting more threads than CPUs, all but stops spinning between
-        # parallel regions, and each of the hundreds of regions of a forward waits for a sleeping worker (a 2-core
-        # EPYC: 55 ms per token with the engine built on another thread, 37 with everything on the engine's).
+        # parallel regions, and each of the hundreds of regions of a forward waits for a sleeping worker, which makes
+        # every token markedly slower (measurements: docs/results/load_test.md).
         self._executor = engine_executor(int(opts.threads) if opts.threads else torch.get_num_threads())
         self.init_stage = "starting"
         try:

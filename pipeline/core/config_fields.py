@@ -34,7 +34,8 @@ def top_k_field(of: str):
 def engine_dtype_field():
     """``--dtype`` of a vLLM engine actor (resolved by actors.vllm_engine.engine_dtype)."""
     return field(default="auto", metadata={
-        "help": "engine compute precision; auto = bf16 on GPU / CPUs with native bf16, else fp32 (5x faster here)",
+        "help": "engine compute precision; auto = bf16 on GPU / CPUs with native bf16, else fp32 (emulated bf16 is "
+                "slower)",
         "choices": ENGINE_DTYPES})
 
 

@@ -51,23 +51,23 @@ _FORCED = {
 }
 _DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "2",
-    # vLLM's CPU backend "auto" binding reserves a core for its scheduler and pins OpenMP to the rest: on a 2-core
-    # machine that is ONE core (measured: 12.8 tok/s in-process vs 35 tok/s unbound, 16 prompts x 64 tokens).
+    # vLLM's CPU backend "auto" binding reserves a core for its scheduler and pins OpenMP to the rest: on a machine
+    # with few cores that leaves OpenMP a fraction of them (measurements: docs/results/data_stages.md).
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_TARGET_DEVICE": "cpu",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
     "RAY_DEDUP_LOGS": "1",
     "RAY_SERVE_HTTP_HOST": LOOPBACK,
-    # Serve's proxy must answer its readiness check within 5 s by default; on a busy 2-core machine it can take
+    # Serve's proxy must answer its readiness check within 5 s by default; on a busy machine with few cores it can take
     # longer, and serve.start() then fails ("ProxyActor died").  Generous limits, same behaviour otherwise.
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
-    # glibc malloc: back large allocations with transparent huge pages (THP is "madvise" here).  A fresh 4 KiB page
-    # costs ~4 us to fault in on these VMs, and PyTorch allocates most activations fresh: zeros(49152, 256) takes
-    # 24 ms vs 3.6 ms to refill the same memory, 6.4 ms with this setting.  Read once when a process starts, so it
-    # reaches Ray workers and actors through the environment; `reexec_for_process_env()` gives it to a job's own
-    # process.  Measured on drafter training: see README "Training speed".
+    # glibc malloc: back large allocations with transparent huge pages (where THP is "madvise", only memory that
+    # asks gets them).  PyTorch allocates most activations fresh, so every new 4 KiB page pays a first-touch fault;
+    # one fault per 2 MiB page makes a fresh allocation cost close to refilling resident memory.  Read once when a
+    # process starts, so it reaches Ray workers and actors through the environment; `reexec_for_process_env()` gives
+    # it to a job's own process.  (measurements: docs/results/training.md)
     "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1",
     # Ray 2.60 defaults to token auth for clusters started with `ray start`; the CLI must agree.
     "RAY_AUTH_MODE": "token",
@@ -181,8 +181,9 @@ def cpu_has_native_bf16() -> bool:
 
 def default_compute_dtype() -> str:
     """Compute precision for target engines when the user says ``auto``: bf16 on a GPU or a CPU with native bf16,
-    else fp32 (measured on this 2-core AVX2 machine, 32 requests x 64 tokens: vLLM generation 90 tok/s in fp32 vs
-    22 tok/s in bf16; python -m jobs.bench vllm_dtype).  Stored hidden states are bf16 either way."""
+    else fp32: without native bf16 the CPU emulates bf16 GEMMs, and vLLM generates several times slower in bf16 than
+    in fp32 (python -m jobs.bench vllm_dtype; measurements: docs/results/data_stages.md).  Stored hidden states are
+    bf16 either way."""
     try:
         import torch
 

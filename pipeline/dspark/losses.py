@@ -109,8 +109,8 @@ class TargetHead(nn.Module):
         """hidden [N,d] -> (pt_d [N,V_d] fp32, mass_out [N] fp32).  `stats` = precomputed (lse, mass_out) [N];
         mass_out None -> 1 - Σ pt_d (the full-vocabulary lse is all that a store needs to keep).
 
-        On a CPU the teacher stays fp32 under bf16 autocast: casting the [V, d] head to bf16 at every call cost more
-        than the bf16 GEMM saved (an AMX Xeon spent a quarter of a bf16 training step in those copies)."""
+        On a CPU the teacher stays fp32 under bf16 autocast: casting the whole [V, d] head to bf16 at every call costs
+        more than the bf16 GEMM saves, and those copies can take a large share of a bf16 training step."""
         if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             with torch.autocast("cpu", enabled=False):
                 return self.draft_probs(hidden, stats)

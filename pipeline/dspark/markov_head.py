@@ -47,9 +47,9 @@ from pipeline.ops.packed_linear import Linear
 class _RowGatherIntoGrad(torch.autograd.Function):
     """W1[idx] whose backward ADDS the touched rows straight into W1.grad (``index_add_``) instead of returning a
     dense [V, r] gradient.  Autograd's embedding backward allocates and zero-fills a fresh [V, r] tensor per
-    backward (49152 x 256 fp32 = 50 MB for SmolLM2: 54 ms per micro-batch here, ~6% of a training step, most of it
-    page faults) and then adds it into .grad; this writes only the rows a batch used, into a gradient buffer
-    that is reused across steps.  The value of W1.grad after backward is exactly the same."""
+    backward (49152 x 256 fp32 = 50 MB for SmolLM2, most of its time spent faulting in fresh pages) and then adds it
+    into .grad; this writes only the rows a batch used, into a gradient buffer that is reused across steps.  The
+    value of W1.grad after backward is exactly the same."""
 
     @staticmethod
     def forward(ctx, weight, idx, head):

@@ -79,8 +79,8 @@ class CostTable:
 
     def verify_time(self, B: int) -> float:
         """What a verification round of B tokens is priced at: min over B' >= B of t(B').  A measured table need not
-        be monotone (on an AMD EPYC with native bf16 the fp32 forward took 57 ms for 1-2 tokens through MKL and
-        41-44 ms for 4-8 through oneDNN); priced at t(B), the early-stopping search would stop at the bump and never
+        be monotone (on some CPUs the fp32 forward of 1-2 tokens through MKL is slower than one of 4-8 through
+        oneDNN's packed layout); priced at t(B), the early-stopping search would stop at the bump and never
         reach the cheaper, deeper verification behind it.  Any fixed price keeps the search lossless."""
         return self._env[B] if 1 <= B <= self._dense_max else self._interp(max(1, int(B)))
 
@@ -185,8 +185,8 @@ def load_or_profile_cost_table(runner, spec: ProfileSpec, max_tokens_per_request
     A profile (or a cached one) whose points are implausible -- ``CostTable.inversion() > MAX_INVERSION``, e.g. a
     1-token step measured slower than a 16-token one because another process took the cores -- is measured again,
     up to ``attempts`` times, keeping the most plausible.  An inversion that two successive profiles reproduce
-    (``same_shape``) is the hardware's and is kept as measured (fp32 on an AMD EPYC with native bf16: MKL's 1-2 row
-    GEMM is slower than oneDNN's 4-8 row one); the scheduler prices verification at the cheapest larger batch
+    (``same_shape``) is the hardware's and is kept as measured (e.g. fp32 on a CPU where MKL's 1-2 row GEMM is
+    slower than oneDNN's 4-8 row one); the scheduler prices verification at the cheapest larger batch
     (``CostTable.verify_time``).  (The live scale in pipeline.engine.scheduler.LiveRoundCost corrects the level to the speed
     the replica actually sees.)  Returns (CostTable, path, profiled: bool)."""
     cache = Path(spec.cache_dir) if spec.cache_dir else work_dir() / "cache"

@@ -114,10 +114,10 @@ class LiveRoundCost:
         model's), as a ratio of averaged tokens and seconds (a running mean over the first 1/gain_alpha verifying
         rounds, then an EMA), trusted from ``min_gain_rounds`` rounds on: one round's accepted count is too noisy
         (0..γ) to judge by.  The model prices a round by its token count B alone, but a ragged verification batch (a
-        few deep rows among many single-token ones) pads its attention to R x max depth: on a 2-core CPU at R = 16,
-        one 8-token row among fifteen 1-token rows (B = 23) took 1.5x a plain round where the table said 1.3x.  The
-        realized gain tells the schedulers when drafting stopped paying: below ``loss_margin`` (0.9, a margin for
-        the noise of a shared machine), per batch size class (``gain_bucket``).
+        few deep rows among many single-token ones) pads its attention to R x max depth, so it costs more than the
+        table's price for its B (measurements: docs/results/load_test.md).  The realized gain tells the schedulers
+        when drafting stopped paying: below ``loss_margin`` (0.9, a margin for the noise of a shared machine), per
+        batch size class (``gain_bucket``).
 
     Round time (drafted): scale·t(B) + overhead + draft(R); not drafted: scale·t(R) + overhead.
     """
@@ -270,8 +270,8 @@ class _SharedHardware:
       depth rule stays lossless) and an optional cap on this batch's target tokens.  B_0 = τ_0 = 0, no budget: the
       paper's Algorithm 1 on its own batch.
     * The round's whole cost (``LiveRoundCost``): the paper's Θ = τ·SPS(B) counts only the target step, so a draft
-      looks free when the drafting round itself costs ~25% of a step.  Here Θ = τ / (scale·t(B_0 + B) + overhead +
-      draft(R)), with the drafting cost, engine overhead and the table's scale measured live.
+      looks free when the drafting round itself costs a sizeable share of a step.  Here Θ = τ / (scale·t(B_0 + B) +
+      overhead + draft(R)), with the drafting cost, engine overhead and the table's scale measured live.
     * Whether to draft at all: after each drafted round the scheduler compares the best Θ it found with the
       throughput of a plain decoding round, (τ_0 + R) / (scale·t(B_0 + R) + overhead), and the verifying rounds
       of R requests so far with the plain rounds, as measured (``LiveRoundCost.realized_gain``).  When drafting did
@@ -384,10 +384,9 @@ class Algorithm1(_SharedHardware, VerificationScheduler):
     gain_ema: the draft-or-not decision for the next rounds follows an exponential average (this weight) of the
     drafted rounds' Θ(drafted) / Θ(plain), not the last round's alone: text alternates between spans a drafter
     predicts and spans it does not, and one unpromising round must not stop drafting for the next ones.  The
-    average is kept per batch size class (gain_bucket), as the gain falls with the load.  Measured
-    single stream (bf16 target on a 2-core AMX Xeon, the recipe's drafter, 16 prompts x 128 tokens, interleaved):
-    gsm8k 1.46x the plain decoder with 0.1 against 1.35x with the last round alone (None); humaneval 1.10 / 1.09x,
-    mt-bench 0.99 / 1.00x."""
+    average is kept per batch size class (gain_bucket), as the gain falls with the load.  The average drafts
+    more of the predictable spans than the last round alone (None) does (measurements:
+    docs/results/speed_single_stream.md)."""
 
     name = "hardware"
     needs_confidence = True

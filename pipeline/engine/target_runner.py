@@ -227,10 +227,10 @@ _FP32_ATTENTION_WINS: dict = {}
 def fp32_attention_wins(num_heads: int, num_kv_heads: int, head_dim: int, reps: int = 7) -> bool:
     """Whether attention over an fp32 KV cache beats a bf16 one on this CPU, for a bf16 runner (q cast up, the
     output cast back down): measured once per process and head layout, interleaved, medians, on three shapes a
-    decoding engine runs (1 request x 1 token, 8 requests x 1 token, 1 request x 8 tokens; 256 keys).  On a 2-core
-    EPYC with avx512_bf16 PyTorch's CPU flash attention took 263 us in bf16 against 78 us in fp32 for one token over
-    300 keys (SmolLM2-135M's 9 / 3 heads x 64), 2.6 ms against 0.45 ms for 16 requests: ~5 ms of a ~30 ms decode
-    step.  The fp32 cache holds the same bf16-rounded keys and values; only the attention's arithmetic is wider."""
+    decoding engine runs (1 request x 1 token, 8 requests x 1 token, 1 request x 8 tokens; 256 keys).  On some CPUs
+    with avx512_bf16 but no AMX PyTorch's CPU flash attention is several times slower in bf16 than in fp32, enough
+    to be a large share of a decode step (measurements: docs/results/speed_single_stream.md).  The fp32 cache holds
+    the same bf16-rounded keys and values; only the attention's arithmetic is wider."""
     key = (num_heads, num_kv_heads, head_dim)
     if key not in _FP32_ATTENTION_WINS:
         g = torch.Generator().manual_seed(0)
@@ -326,7 +326,8 @@ class TargetRunner:
         self.max_padded_scores = 1 << 20
         # a ragged batch mixing requests of more new tokens than this (prompts) with shorter ones (decode and
         # verification blocks) attends per request for the long ones and padded to the short ones' T_max for the
-        # rest: padding 15 one-token rows to a 98-token prompt made such a round 6x a decode round (2-core CPU)
+        # rest: padding every one-token row to a prompt's length made such a round cost several decode rounds
+        # (measurements: docs/results/load_test.md)
         self.short_block = 16
         # fixed-shape forward for the batches that fit its buckets (pipeline.engine.cuda_graphs.StaticTargetForward;
         # CUDA graphs on a GPU); None = every forward eager
@@ -463,7 +464,7 @@ class TargetRunner:
     def alloc(self) -> int:
         """A fresh, empty cache slot: the lowest free one, so the slots in use stay packed at the bottom of the cache
         and a batch over them in slot order reads its K/V as one view (a batch over scattered slots gathers a copy
-        of every layer's K/V: +23 % per 16-request decode step on a 2-core CPU)."""
+        of every layer's K/V, which slows a many-request decode step; measurements: docs/results/load_test.md)."""
         if not self._free:
             self._ensure(self._n_slots + 1, self._cap)
         s = min(self._free)

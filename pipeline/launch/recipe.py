@@ -110,8 +110,8 @@ class BudgetSplit:
         return {k: v * budget_s for k, v in asdict(self).items()}
 
 
-# decode estimates x this: prefills, engine loads, systems slower than the probe's (measured on a 2-core AVX2
-# CPU: an evaluation took 1.145x and 0.92x the probe-rate estimate without it)
+# decode estimates x this, for what the probe's rate leaves out: prefills, engine loads, systems slower than the
+# probe's (measurements: docs/results/recipe.md)
 DECODE_SLACK = 1.15
 
 
@@ -181,7 +181,7 @@ def training_seconds(planned: float, elapsed: float, total: float, reserved_afte
 def steps_that_fit(seconds: float, step_seconds: list[float], minimum: int = 10) -> int:
     """Optimizer steps per drafter when every drafter trains the same number of steps, one after another: the
     training budget over the sum of their seconds per step (a DFlash step is cheaper than a DSpark one: no Markov
-    head, no confidence head; a 2-core AMX Xeon measured 0.9 vs 1.36 s)."""
+    head, no confidence head; measurements: docs/results/recipe.md)."""
     if not step_seconds or min(step_seconds) <= 0:
         raise ValueError(f"step time must be > 0, got {step_seconds}")
     return max(minimum, int(seconds / sum(step_seconds)))
@@ -192,8 +192,8 @@ def probe_step_seconds(rows: list[tuple[int, float]], eval_steps: set[int], eval
     full run logs.  A row's time is taken before the held-out evaluation of its step (`eval_steps`), so an interval
     that starts at such a row holds one evaluation: the steady step time comes from the other intervals (none before
     the first row: that is start-up), the evaluation's extra time from those, and the evaluation is spread over
-    `eval_every` steps.  (A probe that logged every step measured 1.68-1.98 s/step where the full run, logging
-    every 5, stepped at 1.17 s.)"""
+    `eval_every` steps.  (A probe that logs more often than the full run would overestimate its step time, since
+    each log costs time; measurements: docs/results/recipe.md.)"""
     steps = [s for s, _ in rows]
     if steps != sorted(set(steps)):
         raise ValueError(f"a training probe's rows must be in step order, got steps {steps}")

@@ -2,12 +2,13 @@
 
 A decode step streams every weight matrix from memory once: SmolLM2's 540 MB of fp32 weights are ~135k pages of
 4 KiB, a TLB miss every few microseconds.  Transparent huge pages (2 MiB) cover only memory that is 2 MiB-aligned and
-advised MADV_HUGEPAGE (this kernel's mode: ``madvise``).  Tensors allocated one by one are mmap'd at 4 KiB alignment,
-so only part of each lands on huge pages: measured 39% and 62% of the plain weights of two target runners built the
-same way in one process - a per-runner speed difference that depends on allocation luck.  :func:`arena_copy` lays
+advised MADV_HUGEPAGE (where the kernel's THP mode is ``madvise``).  Tensors allocated one by one are mmap'd at 4 KiB
+alignment, so only part of each lands on huge pages, a share that differs between two target runners built the same
+way in one process - a per-runner speed difference that depends on allocation luck.  :func:`arena_copy` lays
 a set of tensors out back to back in ONE 2 MiB-aligned block advised before first touch, and
 :func:`huge_page_fraction` reads the coverage back from ``/proc/self/smaps``.  The advice is a request: with free
-2 MiB pages the kernel backed 99% of the block; under memory pressure (a CI run next to a training job) none.
+2 MiB pages the kernel backs nearly all of the block; under memory pressure it may back none (measurements:
+docs/results/speed_single_stream.md).
 """
 from __future__ import annotations
 

@@ -1,22 +1,17 @@
 """Linear layers with oneDNN pre-packed fp32 weights on CPU (inference only).
 
-F.linear (MKL sgemm) is slow on this kind of CPU when the input has a few rows -- exactly the shapes of speculative
-decoding (a verification forward of 1 + ℓ tokens per request, a drafter block of γ tokens).  Measured on a 2-core
-AVX2 EPYC, fp32, 2 threads, the SmolLM2 LM head [49152 x 576]:
-
-    rows        1      2      4      16
-    F.linear   14.5   34.7   30.2   36.3 ms
-    packed      9.0    8.8   10.6   13.8 ms
-
-so a 4-token verification forward cost ~2x a 1-token decode step although both stream the weights from memory once.
-With the weight re-laid out once for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``, what torch.compile's CPU
-freezing pass uses) the cost follows the bytes moved.  Same values, a different summation order: results agree
-with F.linear to fp32 rounding (tests compare both back ends with transformers).
+F.linear (MKL sgemm) is slow on some CPUs when the input has a few rows -- exactly the shapes of speculative
+decoding (a verification forward of 1 + ℓ tokens per request, a drafter block of γ tokens): there a few-token
+verification forward can cost far more than a 1-token decode step although both stream the weights from memory
+once (measurements: docs/results/speed_single_stream.md).  With the weight re-laid out once for oneDNN
+(``torch.ops.mkldnn._reorder_linear_weight``, what torch.compile's CPU freezing pass uses) the cost follows the bytes
+moved.  Same values, a different summation order: results agree with F.linear to fp32 rounding (tests compare both
+back ends with transformers).
 
 * :class:`PackedWeight` -- a frozen weight (+ bias) packed once (the target runner).
 * :func:`tune_flinear_rows` -- per weight shape, the row count up to which F.linear is faster, timed on this machine
-  (the crossover differs by shape: measured packed faster from 4 rows for the fused gate/up and the 49152x576 LM
-  head (2x there), from 8 for down, about even for q/k/v and o; ``python -m jobs.bench linear``).
+  (the crossover differs by shape: the wide fused gate/up and LM head cross over at fewer rows than the narrower
+  projections; ``python -m jobs.bench linear``, measurements: docs/results/speed_single_stream.md).
 * :class:`Linear` -- a drop-in ``nn.Linear`` for modules that are also trained (the drafter): with autograd on it is
   ``nn.Linear``; under ``no_grad`` / ``inference_mode`` on CPU in fp32 (and in bf16 on a CPU with native bf16) it
   uses a packed copy, re-packed whenever the weight changes (its version counter moves on every optimizer step).
@@ -58,8 +53,8 @@ class PackedWeight:
     """A frozen linear layer: packed for oneDNN when ``use_packed`` (fp32 on CPU), else kept for F.linear.
 
     ``flinear_max_rows`` > 0 (with ``use_packed``): keep the plain weight too and run inputs of at most that many rows
-    through F.linear, larger ones packed -- on an idle machine here MKL is ~10% faster for 1-2 rows and oneDNN's
-    packed layout 15-30% faster from 4 rows on (README); costs a second copy of the weight.
+    through F.linear, larger ones packed -- on some CPUs MKL is faster for 1-2 rows and oneDNN's packed layout from
+    4 rows on (measurements: docs/results/speed_single_stream.md); costs a second copy of the weight.
     ``kernel_max_rows`` > 0 (with ``use_packed``, where pipeline/ops/small_m_linear.py applies to the weight): inputs of
     at most that many rows go through that kernel instead (it reads the plain weight, also kept)."""
 
@@ -104,8 +99,8 @@ _FLINEAR_WINS_ONE_ROW: dict = {}  # hidden size -> whether F.linear beat the pac
 def flinear_wins_one_row(d: int, reps: int = 15) -> bool:
     """Whether F.linear (MKL) beats the oneDNN-packed layout for one input row through an fp32 [4d, d] weight on this
     CPU: measured once per process and hidden size (interleaved, medians; a few ms), so every runner of a process
-    takes the same automatic back end.  On a 2-core AMD EPYC with AVX2 only MKL was ~10% faster at 1-2 rows; on one
-    with avx512_bf16 the fp32 forward took 55 ms per token with MKL at 1 row and 43 ms packed."""
+    takes the same automatic back end.  The answer differs between CPUs: MKL can win at 1-2 rows on one and lose
+    clearly to the packed layout on another (measurements: docs/results/speed_single_stream.md, load_test.md)."""
     if d not in _FLINEAR_WINS_ONE_ROW:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(4 * d, d, generator=g)
@@ -123,8 +118,8 @@ _KERNEL_WINS: dict = {}  # hidden size -> whether the small-M kernel beat the pa
 def kernel_wins_few_rows(d: int = 576, rows=(1, 8), reps: int = 15) -> bool:
     """Whether pipeline/ops/small_m_linear.py's kernel beats the oneDNN-packed layout for an fp32 [4d, d] weight at every
     row count of ``rows`` on this CPU (False where the kernel is unavailable): measured once per process and hidden
-    size, interleaved, medians.  On a 2-core AVX2 EPYC the whole SmolLM2 forward took 40 ms for 1 token with the
-    kernel against 52 ms packed, 55 against 71 for 8."""
+    size, interleaved, medians.  Where it wins (e.g. AVX2 without AVX-512), the whole forward of 1 and of 8 tokens
+    gets faster (measurements: docs/results/speed_single_stream.md)."""
     if d not in _KERNEL_WINS:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(4 * d, d, generator=g)
@@ -176,9 +171,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) that runs packed at inference on CPU in fp32, and in bf16 where
     the CPU multiplies bf16 natively (avx512_bf16 / AMX); fp32 inputs of at most ``small_m_linear.MAX_ROWS`` rows
     (a drafting block) go through pipeline/ops/small_m_linear.py's kernel where it beats the packed layout on this CPU
-    (a greedy drafting round of the gsm8k drafter on an AVX2 EPYC: 4.06 vs 4.53 ms).  Measured on a 2-core AMX Xeon,
-    one greedy drafting round of the recipe's drafter (1 layer, V_d 10,688, γ = 7) at a 300-token context: 6.55 ms
-    fp32 packed, 5.71 ms bf16 with F.linear, 4.50 ms bf16 packed (interleaved, medians of 30).
+    (a drafting round then gets faster too).  On a CPU with native bf16 a drafting round runs fastest in bf16
+    packed, ahead of bf16 through F.linear and of fp32 packed (measurements: docs/results/speed_single_stream.md).
 
     The packed copy is rebuilt when the weight's storage or version counter changes (load_state_dict, plain
     optimizers).  FUSED optimizers (``torch.optim.AdamW(fused=True)``, as training uses) update the weights in place

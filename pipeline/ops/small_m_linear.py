@@ -1,20 +1,13 @@
 """A linear kernel for the few input rows of decoding and verification on AVX2 CPUs (fp32).
 
 A decode step multiplies 1 row, a verification forward 1 + ℓ ≤ 8 rows, through every weight of the target: the time
-is the weight bytes streamed from memory, so the kernel should cost about the same for 1 and for 8 rows.  On a
-2-core AMD EPYC with AVX2 only, oneDNN's packed layout (pipeline/ops/packed_linear.py) and MKL both fall short of that
-(weights streamed from memory, 2 threads, ms per call):
-
-    shape (SmolLM2)      rows   oneDNN packed   this kernel
-    q/k/v  960x576        1        0.146          0.089
-    down   576x1536       8        0.274          0.19-0.21
-    gate/up 3072x576      8        0.474          0.382
-    LM head 49152x576     1        4.32           3.90
-    LM head 49152x576     8        7.24           6.19
+is the weight bytes streamed from memory, so the kernel should cost about the same for 1 and for 8 rows.  On a CPU
+with AVX2 only, oneDNN's packed layout (pipeline/ops/packed_linear.py) and MKL both fall short of that, at 1 row and
+at 8, for every weight shape of the target (measurements: docs/results/speed_single_stream.md).
 
 `kernels/small_m_linear.cpp` keeps every weight row in registers while it multiplies it into all input rows
 (tiles of input rows x weight rows, 8-wide FMA accumulators), the weight rows split over torch's intra-op threads.
-It is built and loaded as pipeline/ops/extensions.py describes (once per source version, ~40 s, by
+It is built and loaded as pipeline/ops/extensions.py describes (once per source version, by
 ``scripts/setup.sh`` ahead of its first use) and used only where it is available: an x86-64 CPU with AVX2 and FMA,
 fp32 weights whose input width is a multiple of 8.  Anything else -- no compiler, a
 failed build, another CPU -- leaves the other back ends as they are (``available()`` is False, with the reason in

@@ -79,10 +79,10 @@ class TrainConfig:
                                                   "choices": ["l1", "tv"]})
     bf16: bool | None = field(default=None, metadata={
         "help": "bf16 autocast for the drafter forward/backward (fp32 master weights and optimizer state). Default: "
-                "on for CUDA devices, off on CPU: an AMD EPYC with avx512_bf16 but no AMX trained 3.5x SLOWER in bf16 (21-25 "
-                "vs 72-80 positions/s), and even an Intel Xeon with AMX, whose bf16 GEMMs run at 0.16-0.3x the fp32 "
-                "time, trained at 0.93x the fp32 speed (1,399 vs 1,501 positions/s, 16k draft vocabulary: the fp32 "
-                "teacher, the loss and attention dominate a drafter step; python -m jobs.bench train_step --bf16)"})
+                "on for CUDA devices, off on CPU: a CPU with avx512_bf16 but no AMX trains several times SLOWER in "
+                "bf16, and even one with AMX, whose bf16 GEMMs are much faster than fp32 ones, trains no faster (the "
+                "fp32 teacher, the loss and attention dominate a drafter step; python -m jobs.bench train_step "
+                "--bf16; measurements: docs/results/training.md)"})
     holdout_frac: float = field(default=0.05, metadata={"help": "fraction of samples held out (for calibration)"})
     checkpoint_every: int = field(default=100, metadata={"help": "checkpoint every N steps (and at the end)"})
     eval_every: int = field(default=50, metadata={

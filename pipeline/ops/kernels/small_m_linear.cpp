@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] · w[N, K]ᵀ (+ b[N]), fp32, for the few input rows of decoding and speculative verification
-// (M ≤ ~16), AVX2 + FMA.  Built and loaded by pipeline/small_m_linear.py; see there for why it exists.
+// (M ≤ ~16), AVX2 + FMA.  Built and loaded by pipeline/ops/small_m_linear.py; see there for why it exists.
 //
 // Each weight row w[n, :] is read from memory once and multiplied into every input row while it sits in registers:
 // a tile of MT input rows × NT weight rows keeps MT·NT 8-wide accumulators, and every step over k loads NT weight
@@ -31,7 +31,7 @@ inline void tile(const float* X, const float* W, float* Y, int64_t K, int64_t N,
     __m256 w[NT];
     for (int j = 0; j < NT; ++j) w[j] = _mm256_loadu_ps(w0 + j * K + k);
     if constexpr (MT >= 4) {  // many input rows: the FMAs take long enough to fetch the next tile's weight rows
-      if ((k & 15) == 0)        // meanwhile (one prefetch per 64-byte line; -13% for 8 rows of gate/up, while
+      if ((k & 15) == 0)        // meanwhile (one prefetch per 64-byte line; it pays at 8 rows, while
         for (int j = 0; j < NT; ++j)  // 1-3 rows, memory-bound, ran slower with it)
           _mm_prefetch(reinterpret_cast<const char*>(w0 + (NT + j) * K + k), _MM_HINT_T0);
     }
@@ -52,9 +52,9 @@ void rows(const float* X, const float* W, float* Y, int64_t K, int64_t N, int64_
   for (; n < b; ++n) tile<MT, 1>(X, W, Y, K, N, n);
 }
 
-// measured on a 2-core AVX2 EPYC (SmolLM2's shapes, weights streamed from memory): 8x1 tiles were the fastest
-// for 8 rows of the 576-wide gate/up and LM head, 4x3 for the 1536-wide down projection; few rows use wider
-// weight tiles (more independent accumulators per loaded input vector)
+// tile shapes picked by timing SmolLM2's shapes with weights streamed from memory: 8x1 tiles for 8 rows of the
+// 576-wide gate/up and LM head, 4x3 for the 1536-wide down projection; few rows use wider weight tiles (more
+// independent accumulators per loaded input vector)
 void block(const float* X, const float* W, float* Y, int64_t M, int64_t K, int64_t N, int64_t a, int64_t b) {
   int64_t m = 0;
   for (; M - m >= 8; m += 8) rows<8, 1>(X + m * K, W, Y + m * N, K, N, a, b);
