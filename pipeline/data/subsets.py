@@ -1,8 +1,8 @@
-"""Fixed, seeded subsets of a list: the same prompts / samples for every system, run and session.
+"""Fixed, seeded subsets of a list: the same prompts / samples for every system and every run.
 
 A cut taken from the start of a sorted or stored order is biased: sorted request ids ("<file>:<line>") put one
-source file first (the training curve's held-out tau once measured arena-hard prompts only), and a store's order is
-its generation order.  Every "use at most N of these" in evaluation, calibration and training goes through here."""
+source file first (a held-out measurement would see one file's prompts only), and a store's order is its
+generation order.  Every "use at most N of these" in evaluation, calibration and training goes through here."""
 from __future__ import annotations
 
 import random
