@@ -34,10 +34,15 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from pipeline.ops import bf16_linear
 from pipeline.ops import packed_linear as pl
 from pipeline.ops import small_m_linear as sm
 from pipeline.ops.hugepages import arena_copy
+from pipeline.engine.kv_cache import PagedKVCache
 from pipeline.ops.layers import apply_rope, rms_norm
+from pipeline.ops.paged_attention import available as paged_attention_available
+from pipeline.ops.paged_attention import paged_attention
+from pipeline.ops.paged_attention import unavailable_reason as paged_attention_unavailable_reason
 from pipeline.core.runtime import cpu_has_native_bf16
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -59,7 +64,9 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
 # most HYBRID_FLINEAR_ROWS rows, packed above; both copies kept), tuned (hybrid with the row threshold of each weight
 # shape timed on this machine when the runner is built: packed_linear.tune_flinear_rows), smallm (the AVX2 kernel
 # of pipeline/ops/small_m_linear.py for inputs of at most small_m_linear.MAX_ROWS rows, packed above; both copies kept)
-LINEAR_BACKENDS = ("packed", "mkl", "hybrid", "tuned", "smallm")
+# invariant (bfloat16:invariant only): bf16 weights through pipeline/ops/bf16_linear.py for every row count, fp32
+# activations, with the paged KV cache's attention: every row's result is independent of the batch it is in
+LINEAR_BACKENDS = ("packed", "mkl", "hybrid", "tuned", "smallm", "invariant")
 HYBRID_FLINEAR_ROWS = 2
 
 
@@ -71,6 +78,8 @@ def parse_precision(spec: str | torch.dtype) -> tuple[torch.dtype, str | None]:
     name, _, backend = str(spec).partition(":")
     if backend and backend not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear back end {backend!r} in {spec!r}; use one of {list(LINEAR_BACKENDS)}")
+    if backend == "invariant" and as_dtype(name) != torch.bfloat16:
+        raise ValueError(f"{spec!r}: the invariant back end stores bf16 weights: use bfloat16:invariant")
     return as_dtype(name), (backend or None)
 
 
@@ -83,6 +92,8 @@ def choose_linear_backend(backend: str | None, dtype: torch.dtype, device: torch
     can_pack = device.type == "cpu" and pl.available()
     if backend in ("packed", "hybrid", "tuned", "smallm") and not can_pack:
         raise ValueError(f"the {backend!r} linear back end needs a CPU device and PyTorch built with oneDNN")
+    if backend == "invariant" and not bf16_linear.available():
+        raise ValueError(f"bfloat16:invariant is unavailable here: {bf16_linear.unavailable_reason()}")
     if backend == "smallm" and not sm.available():
         raise ValueError(f"the 'smallm' linear back end is unavailable here: {sm.unavailable_reason()}")
     if backend == "packed" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
@@ -261,6 +272,34 @@ def fp32_attention_wins(num_heads: int, num_kv_heads: int, head_dim: int, reps: 
     return _FP32_ATTENTION_WINS[key]
 
 
+KV_LAYOUTS = ("auto", "paged", "dense")
+DEFAULT_KV_CACHE_TOKENS = 1 << 16  # the paged cache's default budget: 65,536 token positions over all requests
+
+
+def choose_kv_layout(kv_cache: str, device: torch.device, c: TargetConfig, attention_dtype) -> str:
+    """"paged" where its attention kernel runs (CPU with AVX-512, head dim 64 or 128, at most 8 query heads per KV
+    head, fp32 attention), else "dense"; an explicit "paged" that cannot run is an error naming why."""
+    if kv_cache not in KV_LAYOUTS:
+        raise ValueError(f"kv_cache must be one of {KV_LAYOUTS}, got {kv_cache!r}")
+    if kv_cache == "dense":
+        return "dense"
+    why = None
+    if device.type != "cpu":
+        why = f"it runs on the CPU only (this runner is on {device})"
+    elif c.head_dim not in (64, 128) or c.num_heads % c.num_kv_heads or c.num_heads // c.num_kv_heads > 8:
+        why = f"its kernel takes head dim 64 / 128 and <= 8 heads per KV head (here {c.head_dim}, " \
+              f"{c.num_heads} / {c.num_kv_heads})"
+    elif attention_dtype is not None and as_dtype(attention_dtype) != torch.float32:
+        why = "it attends in fp32"
+    elif not paged_attention_available():
+        why = f"its kernel is unavailable: {paged_attention_unavailable_reason()}"
+    if why is None:
+        return "paged"
+    if kv_cache == "paged":
+        raise ValueError(f"kv_cache='paged' cannot be used: {why}")
+    return "dense"
+
+
 def attention_mask(kidx: torch.Tensor, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
     """kidx [K] key positions, qpos [..., T] absolute query positions -> bool [..., T, K]: key j is visible to a query
     at position p iff j <= p (and j > p - window with a sliding window)."""
@@ -281,7 +320,8 @@ class TargetRunner:
 
     def __init__(self, hf_model, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
                  fp32_lm_head: bool = True, max_seq_len: int | None = None, init_slots: int = 4,
-                 init_len: int = 256, huge_page_arena: bool = False, attention_dtype: str | torch.dtype | None = None):
+                 init_len: int = 256, huge_page_arena: bool = False, attention_dtype: str | torch.dtype | None = None,
+                 kv_cache: str = "auto", kv_cache_tokens: int | None = None):
         """dtype: a precision string (parse_precision: "float32", "float32:mkl", ...) or a torch dtype; its suffix
         picks the CPU linear back end of fp32 weights (pipeline/ops/packed_linear.py; "bfloat16:packed" packs bf16 weights
         too, on a CPU with native bf16), without one on CPU with oneDNN "hybrid" where MKL's F.linear beats the
@@ -289,15 +329,24 @@ class TargetRunner:
         huge_page_arena (CPU, opt-in until it is shown to pay): the plain linear weights live in one block backed by
         transparent huge pages (pipeline/ops/hugepages.py).
         attention_dtype: the KV cache's dtype, in which attention runs (None: ``fp32_attention_wins`` decides for a
-        bf16 runner on CPU, else the compute dtype)."""
+        bf16 runner on CPU, else the compute dtype).
+        kv_cache: "paged" (pipeline/engine/kv_cache.py: blocks of 16 positions per request, batch-invariant attention
+        by pipeline/ops/paged_attention.py; CPU with AVX-512, fp32), "dense" (one [slots, max_len] region per
+        request, SDPA; the GPU path and CUDA graphs) or "auto" (paged where its kernel runs, else dense).
+        kv_cache_tokens: the paged cache's budget in token positions (all requests together; default
+        ``DEFAULT_KV_CACHE_TOKENS``)."""
         self.dtype, backend = parse_precision(dtype)
+        if backend == "invariant":  # bf16 weights, fp32 activations and accumulation
+            self.dtype = torch.float32
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
         self.config = TargetConfig.from_hf(hf_model)
         self.hf_config = getattr(hf_model.config, "text_config", None) or hf_model.config
         self.max_seq_len = int(max_seq_len or self.config.max_position_embeddings)
         self.linear_backend = choose_linear_backend(backend, self.dtype, self.device, self.config.hidden_size)
-        self.packed_linear = self.linear_backend != "mkl"
+        self.packed_linear = self.linear_backend not in ("mkl", "invariant")
+        if self.linear_backend == "invariant" and kv_cache == "dense":
+            raise ValueError("bfloat16:invariant attends through the paged KV cache (kv_cache='paged' or 'auto')")
         self._load_weights(hf_model, fp32_lm_head)
         if huge_page_arena and self.device.type == "cpu":  # the streamed matrices in one huge-page-backed block
             plain = [w for w in self.linear_weights() if w.weight is not None]
@@ -307,8 +356,15 @@ class TargetRunner:
                     w.weight = t
         self._init_rope(hf_model)
 
-        # KV cache: [layers, slots, max_len, kv_heads, head_dim], in the attention dtype
         c = self.config
+        self.kv_layout = choose_kv_layout("paged" if self.linear_backend == "invariant" else kv_cache, self.device, c,
+                                          attention_dtype)
+        self.paged: PagedKVCache | None = None
+        if self.kv_layout == "paged":
+            self.paged = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim,
+                                      int(kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS), device=self.device)
+            attention_dtype = torch.float32
+        # dense KV cache: [layers, slots, max_len, kv_heads, head_dim], in the attention dtype
         if attention_dtype is None:
             attention_dtype = torch.float32 if (self.device.type == "cpu" and self.dtype == torch.bfloat16 and
                                                 fp32_attention_wins(c.num_heads, c.num_kv_heads, c.head_dim)) \
@@ -317,7 +373,8 @@ class TargetRunner:
         self._n_slots = 0
         self._cap = 0
         self.k_cache = self.v_cache = None
-        self._ensure(init_slots, min(init_len, self.max_seq_len))
+        if self.paged is None:
+            self._ensure(init_slots, min(init_len, self.max_seq_len))
         self.lengths: list[int] = [0] * self._n_slots
         self._free: list[int] = list(range(self._n_slots - 1, -1, -1))
         self._used: set[int] = set()
@@ -348,6 +405,8 @@ class TargetRunner:
             return None if t is None else t.detach().to(device=dev, dtype=dt).contiguous()
 
         def lin(w, b):
+            if backend == "invariant":
+                return bf16_linear.InvariantLinear(w.detach().to(dev), None if b is None else b.detach().to(dev))
             w, b = P(w), P(b)
             return pl.PackedWeight(w, b, self.packed_linear and w.dtype in packed_dtypes, flinear_rows, kernel_rows)
 
@@ -374,9 +433,12 @@ class TargetRunner:
         self.norm = P(base.norm.weight)
         head = hf_model.lm_head.weight if hasattr(hf_model, "lm_head") else base.embed_tokens.weight
         self.head_dtype = torch.float32 if fp32_lm_head else dt
-        head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
-        self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype in packed_dtypes, flinear_rows,
-                                       kernel_rows)
+        if backend == "invariant":
+            self.lm_head = bf16_linear.InvariantLinear(head.detach().to(dev), None)
+        else:
+            head = head.detach().to(device=dev, dtype=self.head_dtype).contiguous()
+            self.lm_head = pl.PackedWeight(head, None, self.packed_linear and head.dtype in packed_dtypes,
+                                           flinear_rows, kernel_rows)
         self.norm_head = self.norm.to(self.head_dtype)
         # {weight group: F.linear up to this many rows}
         self.flinear_rows = {"all": flinear_rows} if backend == "hybrid" else {}
@@ -462,9 +524,13 @@ class TargetRunner:
         self._n_slots, self._cap = new_slots, new_cap
 
     def alloc(self) -> int:
-        """A fresh, empty cache slot: the lowest free one, so the slots in use stay packed at the bottom of the cache
+        """A fresh, empty cache slot.  Dense layout: the lowest free one, so the slots in use stay packed at the bottom of the cache
         and a batch over them in slot order reads its K/V as one view (a batch over scattered slots gathers a copy
         of every layer's K/V, which slows a many-request decode step; measurements: docs/results/load_test.md)."""
+        if self.paged is not None:
+            s = self.paged.alloc()
+            self._used.add(s)
+            return s
         if not self._free:
             self._ensure(self._n_slots + 1, self._cap)
         s = min(self._free)
@@ -474,16 +540,21 @@ class TargetRunner:
         return s
 
     def free(self, slot: int) -> None:
-        if slot in self._used:
+        if self.paged is not None and slot in self._used:
+            self._used.remove(slot)
+            self.paged.free(slot)
+        elif slot in self._used:
             self._used.remove(slot)
             self.lengths[slot] = 0
             self._free.append(slot)
 
     def length(self, slot: int) -> int:
-        return self.lengths[slot]
+        return self.paged.length(slot) if self.paged is not None else self.lengths[slot]
 
     def truncate(self, slot: int, new_len: int) -> None:
-        """Roll the slot's KV cache back to its first ``new_len`` tokens."""
+        """Roll the slot's KV cache back to its first ``new_len`` tokens (paged: whole blocks past them are freed)."""
+        if self.paged is not None:
+            return self.paged.truncate(slot, new_len)
         if not 0 <= new_len <= self.lengths[slot]:
             raise ValueError(f"truncate slot {slot} to {new_len}: cache holds {self.lengths[slot]}")
         self.lengths[slot] = new_len
@@ -517,6 +588,16 @@ class TargetRunner:
         """
         batch = self.plan_batch(slots, input_ids, logits_last)
         aux_ids = self._check_aux_ids(aux_layer_ids)
+        if batch.key_len > self.max_seq_len:
+            raise ValueError(f"sequence length {batch.key_len} exceeds max_seq_len {self.max_seq_len}")
+        if self.paged is not None:
+            for s, e in zip(batch.slots, batch.ends):
+                self.paged.grow(s, e)  # CacheFull names what did not fit
+            out = self._forward_paged(batch, aux_ids)
+            if commit:
+                for s, e in zip(batch.slots, batch.ends):
+                    self.paged.commit(s, e)
+            return out
         self._ensure(max(batch.slots) + 1, batch.key_len)
         static = self.static_forward
         if static is not None and static.fits(batch):
@@ -545,7 +626,13 @@ class TargetRunner:
             raise ValueError("a slot appears twice in one batch")
         if min(slots) < 0:
             raise ValueError(f"negative slot in {slots}")
-        starts = [self.lengths[s] if s < len(self.lengths) else 0 for s in slots]
+        if self.paged is not None:
+            unknown = [s for s in slots if s not in self._used]
+            if unknown:
+                raise ValueError(f"slots {unknown} are not allocated")
+            starts = [self.paged.length(s) for s in slots]
+        else:
+            starts = [self.lengths[s] if s < len(self.lengths) else 0 for s in slots]
         if logits_last is None:
             nl = ns
         elif isinstance(logits_last, int):
@@ -577,6 +664,37 @@ class TargetRunner:
             if not 0 <= a <= self.config.num_layers:
                 raise ValueError(f"aux layer id {a} outside [0, {self.config.num_layers}]")
         return aux_ids
+
+    def _forward_paged(self, batch: RaggedBatch, aux_ids: list) -> TargetOutput:
+        """The layers over the flattened [N, d] tokens; every token's K/V written into its cache block, every token
+        attending over its own request's blocks (pipeline/ops/paged_attention.py: no padding, and each row reduced
+        in a fixed order whatever else is in the batch)."""
+        c, dev, cache = self.config, self.device, self.paged
+        N, M = batch.num_tokens, batch.num_logits_rows
+        cos_t, sin_t = self._rope(batch.key_len)
+        meta = torch.tensor(batch.token_ids + batch.positions + batch.logit_rows, dtype=torch.long).to(dev)
+        ids_t, pos_t, rows_t = meta[:N], meta[N:2 * N], meta[2 * N:]
+        blocks_t, offsets_t = (t.to(dev) for t in cache.locate(batch.token_slots, batch.positions))
+        tables_t = cache.table_tensor(batch.slots).to(dev)  # [R, W] block tables, rows in batch order
+        row_req_t = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(batch.num_new)).to(dev)
+        H, hd = c.num_heads, c.head_dim
+        x, cos, sin, aux_out = self._embed_tokens(ids_t, pos_t, cos_t, sin_t, aux_ids)
+        for li, ly in enumerate(self.layers):
+            q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2, fp32
+            cache.write(li, blocks_t, offsets_t, k, v)
+            att = paged_attention(q, cache.k[li], cache.v[li], tables_t, row_req_t, pos_t, self._scale,
+                                  self._layer_window(ly, batch.key_len))
+            x = self._mlp_block(ly, x, att.view(N, H * hd))
+            if (li + 1) in aux_ids:
+                aux_out[li + 1] = x
+        if M:
+            hl = x if (M == N and batch.logit_rows == list(range(N))) else x[rows_t]
+            logits = self._logits(hl)
+        else:
+            logits = x.new_zeros(0, c.vocab_size, dtype=torch.float32)
+        aux = torch.cat([aux_out[a] for a in aux_ids], -1) if aux_ids else None
+        return TargetOutput(logits=logits, logit_offsets=batch.logit_offsets, aux_hidden=aux,
+                            token_offsets=batch.token_offsets)
 
     def _forward_eager(self, batch: RaggedBatch, aux_ids: list) -> TargetOutput:
         """The layers over the flattened [N, d] tokens; attention padded to [R, T_max] x [R, K_max] (or per request)."""

@@ -46,6 +46,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+class InvariantLinear:
+    """A frozen linear layer with bf16 weights run through the kernel for every row count (the target runner's
+    ``bfloat16:invariant`` back end): fp32 in, fp32 out."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight.to(torch.bfloat16).contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        if not usable(self.weight):
+            raise ValueError(f"the bf16-weight kernel cannot take a {tuple(self.weight.shape)} weight "
+                             f"({unavailable_reason() or f'its input width must be a multiple of {MULTIPLE}'})")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 if __name__ == "__main__":  # scripts/setup.sh: build ahead of the first use
     ok = EXT.ensure(verbose=False)
     print(f"[setup] bf16-weight linear kernel: {'built' if ok else 'not used (' + str(unavailable_reason()) + ')'}")
