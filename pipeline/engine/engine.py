@@ -2,7 +2,9 @@
 
 One ``step()`` = one round for every active request:
   1. new requests are prefilled (their first token is sampled from the target, docs/dspark.md §6.1) -- in the same target
-     forward as the others' verification;
+     forward as the others' verification; with ``max_num_batched_tokens`` a round takes at most that many target
+     tokens: the decoding requests' anchors first, then prompts in chunks (a long prompt over several rounds, so the
+     others keep decoding), then verified drafts in what is left;
   2. the drafter proposes γ drafts for every decoding request from its anchor (the last emitted token, the only
      emitted token not yet in the target's KV cache);
   3. the scheduler picks a depth L_r per request (capped by the remaining token budget and the cache);
@@ -11,7 +13,9 @@ One ``step()`` = one round for every active request:
   6. caches roll back to the accepted prefix (target: n + m + 1 tokens; the drafter gets the aux hidden states of
      [x_0..x_m] at positions n..n+m), tokens are appended with stop handling (EOS ids, stop strings, max_tokens --
      nothing past a stop is ever emitted, accepted drafts after an EOS are discarded).
-Requests may join (``add_request``) or leave (``abort``) between steps.  Without a drafter the same loop is the
+Requests may join (``add_request``) or leave (``abort``) between steps.  With a paged KV cache (pipeline/engine/kv_cache.py)
+a request is admitted when the cache can hold it at its full length (prompt + completion + a verification block);
+until then it waits, first come first served (``queue_position``), so a running request never runs out of cache.  Without a drafter the same loop is the
 plain autoregressive baseline (depth 0, one token per request per forward).  In code the round is four phases over
 one ``RoundBatch``: ``_plan_depths`` (2-3), ``_run_target`` (1, 4), ``_verify`` (5), ``_commit`` (6).
 
@@ -28,6 +32,7 @@ generator so its output does not depend on the batch.  Not thread-safe: drive it
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -43,6 +48,7 @@ from pipeline.ops.sampling import SamplingParams
 from pipeline.engine.cost_table import CostTable
 from pipeline.engine.scheduler import VerificationScheduler, make_scheduler
 from pipeline.engine.target_runner import TargetOutput
+from pipeline.ops.paged_attention import BLOCK
 
 METHODS = ("dspark", "dflash", None)
 
@@ -158,7 +164,8 @@ class _Request:
     slot: int = -1
     draft_state: object = None
     pending_ctx: list = field(default_factory=list)  # [(aux [n, k·d], start position)] not yet in draft_state
-    prefilled: bool = False
+    prefill_pos: int = 0  # prompt tokens in the target's cache (chunked prefill: < len(prompt) while prefilling)
+    footprint: int = 0  # cache positions reserved for it at admission (prompt + completion + a verification block)
     output_ids: list = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
@@ -167,6 +174,10 @@ class _Request:
     text: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     arrival: int = 0
+
+    @property
+    def prefilled(self) -> bool:
+        return self.prefill_pos >= len(self.prompt_ids)
 
     @property
     def seeded_sampling(self) -> bool:
@@ -213,6 +224,7 @@ class RoundBatch:
 
     requests: list  # [R] _Request
     num_prefill: int  # P
+    chunks: list = field(default_factory=list)  # [P] prompt tokens each prefilling request feeds this round
     # plan depths
     depth_limits: list = field(default_factory=list)  # [R] most drafts L_r may verify (cap, budget, room); 0 prefill
     depths: list = field(default_factory=list)  # [R] L_r verified drafts (0: prefill, undrafted)
@@ -243,7 +255,14 @@ def drafter_config(drafter):
 
 class SpeculativeEngine:
     def __init__(self, target_runner, drafter=None, spec_config: SpecConfig | dict | None = None, tokenizer=None,
-                 eos_token_ids: Iterable[int] | None = None, max_model_len: int | None = None):
+                 eos_token_ids: Iterable[int] | None = None, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None):
+        """max_num_batched_tokens: the most target tokens one round's forward takes (vLLM's name): the decoding
+        requests' tokens first, then prompts in chunks, then verified drafts in what is left.  None: no cap (every
+        prompt prefilled whole in its first round)."""
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.target = target_runner
         self.spec = spec_config if isinstance(spec_config, SpecConfig) else SpecConfig.from_dict(spec_config)
         if drafter is None and self.spec.method is not None:
@@ -272,7 +291,9 @@ class SpeculativeEngine:
                                         temperatures=self.spec.sts_temperatures, lag=self.spec.async_lag)
         self.sampler = RejectionSampler(self.spec.rejection_sample_method)
         self.generator = torch.Generator().manual_seed(int(self.spec.seed))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}  # admitted: they hold a cache slot
+        self.waiting: collections.deque[_Request] = collections.deque()  # added, waiting for cache room (FIFO)
+        self._reserved = 0  # cache positions reserved by the admitted requests (paged cache)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.timers = EngineTimers()
@@ -332,28 +353,69 @@ class SpeculativeEngine:
                                           verified_at=[0] * self.num_speculative_tokens,
                                           accepted_at=[0] * self.num_speculative_tokens),
                        arrival=next(self._arrivals))
-        req.slot = self.target.alloc()
-        self.requests[rid] = req
+        if rid in (w.request_id for w in self.waiting):
+            raise ValueError(f"duplicate request id {rid}")
+        req.footprint = min(len(prompt) + int(max_tokens), self.max_model_len) + self.num_speculative_tokens + 1
+        capacity = self.cache_capacity()
+        if capacity is not None and req.footprint > capacity:
+            raise ValueError(f"a request of {len(prompt)} prompt + {max_tokens} completion tokens needs "
+                             f"{req.footprint} positions of KV cache; the cache holds {capacity}")
+        self.waiting.append(req)
+        self._admit()
         return rid
+
+    def cache_capacity(self) -> int | None:
+        """Token positions the target's KV cache holds for all requests together (None: grows on demand)."""
+        paged = getattr(self.target, "paged", None)
+        return None if paged is None else paged.num_blocks * BLOCK
+
+    def _admit(self) -> None:
+        """Move waiting requests into the engine, first come first served, while the cache can hold every admitted
+        request at its full length (so a running request never runs out of cache: the rest wait)."""
+        capacity = self.cache_capacity()
+        while self.waiting:
+            req = self.waiting[0]
+            need = -(-req.footprint // BLOCK) * BLOCK
+            if capacity is not None and self._reserved + need > capacity:
+                return
+            self.waiting.popleft()
+            self._reserved += need if capacity is not None else 0
+            req.slot = self.target.alloc()
+            self.requests[req.request_id] = req
+
+    def queue_position(self, request_id: str) -> int | None:
+        """0-based place of a request in the wait for cache room (None: admitted, finished or unknown)."""
+        for i, r in enumerate(self.waiting):
+            if r.request_id == request_id:
+                return i
+        return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
         if req is None:
+            for w in list(self.waiting):
+                if w.request_id == request_id:
+                    self.waiting.remove(w)
+                    w.finished, w.finish_reason = True, "abort"
+                    return self._output(w, [])
             return None
         req.finished, req.finish_reason = True, "abort"
         self._release(req)
         return self._output(req, [])
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.waiting)
 
     def num_active(self) -> int:
-        return len(self.requests)
+        """Requests in the engine: admitted and waiting for cache room."""
+        return len(self.requests) + len(self.waiting)
 
     def _release(self, req: _Request) -> None:
         if req.slot >= 0:
             self.target.free(req.slot)
             req.slot = -1
+            if self.cache_capacity() is not None:
+                self._reserved -= -(-req.footprint // BLOCK) * BLOCK
         if req.draft_state is not None:
             free = getattr(self.drafter, "free_state", None)
             if free is not None:
@@ -370,12 +432,13 @@ class SpeculativeEngine:
         Phases over one RoundBatch: plan the depths (draft + schedule), build and run the target forward, verify
         (rejection sampler), commit (statistics, stop handling, cache rollback)."""
         t_start = time.perf_counter()
+        self._admit()
         reqs = sorted(self.requests.values(), key=lambda r: r.arrival)
         if not reqs:
             return []
-        prefill = [r for r in reqs if not r.prefilled]
         decode = sorted((r for r in reqs if r.prefilled), key=lambda r: r.slot)
-        batch = RoundBatch(requests=prefill + decode, num_prefill=len(prefill))
+        prefill, chunks = self._prefill_chunks([r for r in reqs if not r.prefilled], len(decode))
+        batch = RoundBatch(requests=prefill + decode, num_prefill=len(prefill), chunks=chunks)
         self._plan_depths(batch)
         self._run_target(batch)
         self._verify(batch)
@@ -397,6 +460,26 @@ class SpeculativeEngine:
                                          batch.target_s, round_s)
         return outputs
 
+    def _prefill_chunks(self, prefilling: list, num_decode: int) -> tuple[list, list]:
+        """The prompts this round prefills and how many tokens of each: with max_num_batched_tokens, what the
+        decoding requests' tokens leave of it, first come first served, a prompt split over as many rounds as it
+        takes (chunked prefill); without, every pending prompt whole."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            return prefilling, [len(r.prompt_ids) - r.prefill_pos for r in prefilling]
+        left = budget - num_decode
+        if num_decode == 0:
+            left = max(left, 1)  # nothing else runs: a prompt always moves
+        out, chunks = [], []
+        for r in prefilling:
+            if left <= 0:
+                break
+            n = min(len(r.prompt_ids) - r.prefill_pos, left)
+            out.append(r)
+            chunks.append(n)
+            left -= n
+        return out, chunks
+
     def _plan_depths(self, batch: RoundBatch) -> None:
         """Depth caps (remaining budget, cache room), the drafting decision, the proposal and the scheduler's L_r."""
         T = self.target
@@ -410,6 +493,15 @@ class SpeculativeEngine:
             md = min(self.num_speculative_tokens, r.max_tokens - len(r.output_ids) - 1, self.max_model_len - T.length(r.slot) - 1)
             batch.depth_limits[i] = max(0, md)
         spec = [i for i in range(P, R) if batch.depth_limits[i] > 0] if self.drafter is not None else []
+        if spec and self.max_num_batched_tokens is not None:
+            # the decoding requests' share of the round's token budget: their anchors plus the verified drafts
+            share = self.max_num_batched_tokens - sum(batch.chunks)
+            self.scheduler.set_round(sum(batch.chunks), share)
+            if not self.scheduler.takes_round_budget:  # the budget split evenly, fixed before any draft exists
+                each = max(0, share - (R - P)) // len(spec)
+                for i in spec:
+                    batch.depth_limits[i] = min(batch.depth_limits[i], each)
+                spec = [i for i in spec if batch.depth_limits[i] > 0]
         # a seeded sampling request's random stream must not depend on the batch it shares: skipping the drafting
         # round (a batch-level decision) would change what it consumes, so such a round drafts anyway
         if (spec and not self.scheduler.draft_this_round(len(spec))
@@ -448,10 +540,11 @@ class SpeculativeEngine:
         tok_cpu = batch.proposal.tokens.tolist() if batch.proposal is not None else None
         batch.inputs, batch.num_logits, batch.starts = [], [], []
         for i, r in enumerate(batch.requests):
-            if i < P:
-                batch.inputs.append(r.prompt_ids)
-                batch.num_logits.append(1)
-                batch.starts.append(0)
+            if i < P:  # a prompt chunk; the chunk that completes the prompt gets the logits of its last token
+                n, start = batch.chunks[i], r.prefill_pos
+                batch.inputs.append(r.prompt_ids[start:start + n])
+                batch.num_logits.append(1 if start + n == len(r.prompt_ids) else 0)
+                batch.starts.append(start)
                 continue
             L = batch.depths[i]
             batch.inputs.append([r.output_ids[-1]] + (tok_cpu[batch.q_rows[i]][:L] if L else []))
@@ -467,10 +560,19 @@ class SpeculativeEngine:
         """The rejection sampler over the round; the scheduler sees what the drafted rows' verification gave."""
         t0 = time.perf_counter()
         prop, out = batch.proposal, batch.target_out
-        batch.result = self.sampler(out.logits, out.logit_offsets, prop.tokens if prop else None, batch.depths,
-                                    prop.q if prop else None, prop.draft_ids if prop else None,
-                                    [r.params for r in batch.requests],
-                                    [r.generator or self.generator for r in batch.requests], q_rows=batch.q_rows)
+        sampled = [i for i, k in enumerate(batch.num_logits) if k > 0]  # not the prompts still being prefilled
+        res = self.sampler(out.logits, [out.logit_offsets[i] for i in sampled], prop.tokens if prop else None,
+                           [batch.depths[i] for i in sampled], prop.q if prop else None,
+                           prop.draft_ids if prop else None, [batch.requests[i].params for i in sampled],
+                           [batch.requests[i].generator or self.generator for i in sampled],
+                           q_rows=[batch.q_rows[i] for i in sampled])
+        if len(sampled) == len(batch.requests):
+            batch.result = res
+        else:  # a request without logits this round gets no tokens
+            m, toks = [0] * len(batch.requests), [[] for _ in batch.requests]
+            for j, i in enumerate(sampled):
+                m[i], toks[i] = res.num_accepted[j], res.tokens[j]
+            batch.result = VerifyResult(num_accepted=m, tokens=toks)
         self.timers.verify_s += time.perf_counter() - t0
         if prop is not None:  # in the order the scheduler saw them
             self.scheduler.observe_acceptance([batch.depths[i] for i in batch.drafted],
@@ -486,8 +588,8 @@ class SpeculativeEngine:
             is_prefill = i < batch.num_prefill
             n = batch.starts[i]
             if is_prefill:
-                r.prefilled = True
-                emitted = self._append(r, toks)
+                r.prefill_pos = n + batch.chunks[i]
+                emitted = self._append(r, toks)  # nothing until the chunk that completes the prompt
             else:
                 L = batch.depths[i]
                 st = r.stats
@@ -510,7 +612,7 @@ class SpeculativeEngine:
                 self.finished_stats = self.finished_stats.merge(r.stats)
             else:
                 # target cache keeps the verified prefix [x_0..x_m]; the new anchor (last token) is not cached yet
-                keep = len(r.prompt_ids) if is_prefill else n + m + 1
+                keep = r.prefill_pos if is_prefill else n + m + 1
                 T.truncate(r.slot, keep)
                 if self.drafter is not None:  # the drafter's context follows lazily (_flush_context)
                     aux = out.aux_of(i)

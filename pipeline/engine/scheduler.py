@@ -212,10 +212,18 @@ class VerificationScheduler:
     def schedule(self, conf_logits: torch.Tensor | None, limits: Sequence[int]) -> list:
         raise NotImplementedError
 
+    takes_round_budget = False  # True: schedule() keeps the round's draft budget itself (set_round)
+
     def draft_this_round(self, num_requests: int) -> bool:
         """False when this round will verify no draft whatever the drafter proposes: the engine then skips the
         drafting round (block forward, sequential loop, confidences) and decodes one token per request."""
         return True
+
+    def set_round(self, other_tokens: int, budget: int | None) -> None:
+        """Before a round is drafted: the target tokens of this round's other work (prefill chunks) and the most
+        target tokens the decoding requests may use (their anchors plus verified drafts; None: no cap).  Both are
+        fixed before any draft exists, so a depth rule that respects them stays lossless.  Schedulers that do not
+        take the budget get their requests' limits cut to it by the engine."""
 
     def observe_round(self, num_drafted: int, draft_s: float, target_tokens: int, target_s: float,
                       round_s: float) -> None:
@@ -285,6 +293,9 @@ class _SharedHardware:
     base_tokens: int = 0
     base_tau: float = 0.0
     budget: int | None = None
+    round_tokens: int = 0  # this round's other target tokens (prefill chunks), from set_round
+    round_budget: int | None = None  # this round's cap on the decoding requests' tokens, from set_round
+    takes_round_budget = True
 
     def _init_shared(self, cost: CostTable, budget: int | None, refresh_every: int, max_skip: int,
                      online_calibration: bool = True):
@@ -309,6 +320,19 @@ class _SharedHardware:
     def set_load(self, base_tokens: int, base_tau: float) -> None:
         self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
 
+    def set_round(self, other_tokens: int, budget: int | None) -> None:
+        self.round_tokens, self.round_budget = int(other_tokens), budget
+
+    def _base(self) -> int:
+        """Target tokens of the other work this round shares the hardware with: the other replicas' and this
+        round's prefill chunks."""
+        return self.base_tokens + self.round_tokens
+
+    def _cap(self) -> int | None:
+        """The cap on this batch's target tokens: the configured budget and the round's, whichever is lower."""
+        caps = [b for b in (self.budget, self.round_budget) if b is not None]
+        return min(caps) if caps else None
+
     def observe_round(self, num_drafted, draft_s, target_tokens, target_s, round_s):
         verified, accepted = self._round_acceptance if num_drafted else (0, 0)
         self.live.observe(self.cost, num_drafted, draft_s, target_tokens, target_s, round_s, verified, accepted)
@@ -332,13 +356,13 @@ class _SharedHardware:
         """B (this batch's target tokens) -> seconds of one round, drafted or not."""
         lv = self.live
         if not drafted:
-            return lambda B: lv.scale * self.cost.step_time(self.base_tokens + B) + lv.overhead_s
+            return lambda B: lv.scale * self.cost.step_time(self._base() + B) + lv.overhead_s
         extra = lv.overhead_s + lv.draft_seconds(R)
-        return lambda B: lv.scale * self.cost.verify_time(self.base_tokens + B) + extra
+        return lambda B: lv.scale * self.cost.verify_time(self._base() + B) + extra
 
     def _search(self, a: torch.Tensor, early_stop: bool):
-        return greedy_prefix_search(a, self.cost, early_stop=early_stop, base_tokens=self.base_tokens,
-                                    base_tau=self.base_tau, budget=self.budget,
+        return greedy_prefix_search(a, self.cost, early_stop=early_stop, base_tokens=self._base(),
+                                    base_tau=self.base_tau, budget=self._cap(),
                                     round_seconds=self._round_seconds(a.shape[0], True))
 
     def _drafting_gain(self, a: torch.Tensor, depths: Sequence[int]) -> float:
@@ -351,7 +375,8 @@ class _SharedHardware:
 
     def _budget_left(self, num_requests: int) -> bool:
         """False when the R bonus tokens alone use up the budget."""
-        return self.budget is None or self.budget > num_requests
+        cap = self._cap()
+        return cap is None or cap > num_requests
 
     def _draft_unless_idle(self, num_requests: int, idle: bool) -> bool:
         """The drafting decision both schedulers share: never when the R bonus tokens alone use up the budget;
@@ -482,8 +507,8 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
         a = self._survival(conf_logits, limits)
         cap = self.capacity()
         K = sum(int(m) for m in limits) if cap is None else max(0, int(cap) - R)
-        if self.budget is not None:
-            K = min(K, max(0, self.budget - R))
+        if self._cap() is not None:
+            K = min(K, max(0, self._cap() - R))
         depths = [0] * R
         for v, r, j in sorted_candidates(a)[:K]:
             depths[r] = max(depths[r], j)
