@@ -48,7 +48,7 @@ INGRESS_OPTIONS = {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "max_ongoing_r
                    "ray_actor_options": {"num_cpus": 0}}
 CPU_KV_CACHE_GB = 1  # --vllm-device cpu: VLLM_CPU_KVCACHE_SPACE of a replica
 VLLM_DTYPE = "bfloat16"  # --dtype auto on the vLLM engine (GPU)
-NATIVE_DTYPE = "float32"  # --dtype auto on the native engine (CPU linear back end chosen by measurement)
+NATIVE_DTYPE = "auto"  # the native engine resolves it in each replica (pipeline.engine.target_runner.auto_precision)
 
 
 @dataclass
@@ -69,19 +69,22 @@ class ServeConfig:
     num_speculative_tokens: int | None = field(default=None, metadata={
         "help": "the verification depth cap (<= the drafter's block size; default: the block size)",
         "aliases": ["--gamma"]})
-    dtype: str = field(default="auto", metadata={"help": "target / drafter dtype (auto | float32 | bfloat16); auto "
-                                                        "= float32 on the native engine, bfloat16 on vLLM; on CPU "
-                                                        "float32 = float32:smallm (the AVX2 small-M kernel up to 24 "
-                                                        "rows, oneDNN pre-packed weights above) where that kernel "
-                                                        "wins, else float32:hybrid (MKL's F.linear for 1-2 rows) "
-                                                        "where MKL wins at 1 row, else float32:packed; "
-                                                        "float32:smallm, float32:hybrid, float32:packed, "
-                                                        "float32:mkl force one of them; bfloat16:packed packs "
-                                                        "bf16 weights (CPUs with native bf16)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "target / drafter precision.  auto: on the native engine bfloat16:invariant where its kernels run "
+                "(AVX-512) and win, else float32; bfloat16 on vLLM.  bfloat16:invariant = bf16 weights, fp32 "
+                "activations, batch-invariant kernels and the paged KV cache: speculative greedy output equals plain "
+                "greedy output token for token.  float32 picks its CPU linear back end by measurement (float32:smallm, "
+                ":hybrid, :packed, :mkl force one); bfloat16:packed packs bf16 weights (CPUs with native bf16)"})
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})
     max_queue: int = field(default=64, metadata={"help": "requests waiting per replica beyond max_batch before the "
                                                           "router holds them back"})
     max_model_len: int = field(default=2048, metadata={"help": "context length (prompt + completion)"})
+    max_num_batched_tokens: int | None = field(default=256, metadata={
+        "help": "target tokens per engine round (vLLM's name): the decoding requests first, then prompts in chunks "
+                "(a long prompt over several rounds while the others keep decoding), then verified drafts"})
+    kv_cache_gb: float = field(default=2.0, metadata={
+        "help": "KV cache per replica (the paged cache of CPUs with AVX-512): requests that do not fit wait, "
+                "first come first served"})
     stream_interval: int = field(default=1, metadata={
         "help": "tokens per streamed event after a request's first token (1: every token as soon as it exists); "
                 "larger values send fewer, larger SSE chunks, which leaves the engine more CPU under load (like "
@@ -161,7 +164,11 @@ class ServeConfig:
             raise PlanError(f"--replica-cpus must be >= 0, got {self.replica_cpus}")
         if self.threads is not None and self.threads < 1:
             raise PlanError(f"--threads must be >= 1, got {self.threads}")
-        parse_precision(self.precision())  # ValueError naming the bad dtype / linear back end
+        if self.precision() != "auto":
+            parse_precision(self.precision())  # ValueError naming the bad dtype / linear back end
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_batch:
+            raise PlanError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must exceed --max-batch "
+                            f"({self.max_batch}): the decoding requests alone would use up every round")
         if not 0.0 <= self.shared_hardware <= 1.0:
             raise ValueError("shared_hardware must lie in [0, 1]")
         if self.engine == "vllm" and self.drafter is None and self.scheduler != "none":
@@ -232,7 +239,8 @@ class ServeConfig:
             cost_table=self.cost_table, profile_batch_sizes=list(self.profile_batch_sizes),
             shared_hardware=self.shared_hardware, token_budget=self.token_budget,
             draft_sample_method=self.draft_sample_method, model_name=self.served_model_name(target),
-            stream_interval=self.stream_interval, init_timeout_s=self.replica_init_timeout_s, cache_dir=self.cache_dir)
+            stream_interval=self.stream_interval, init_timeout_s=self.replica_init_timeout_s, cache_dir=self.cache_dir,
+            max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_gb=self.kv_cache_gb)
         return dataclasses.asdict(opts)
 
     def to_dict(self) -> dict:

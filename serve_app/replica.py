@@ -73,7 +73,7 @@ from pipeline.core.runtime import apply_env
 from pipeline.ops.sampling import SamplingParams
 from pipeline.engine.cost_table import CostTable, ProfileSpec, load_or_profile_cost_table
 from pipeline.engine.scheduler import FixedDepth, make_load_aware_scheduler
-from pipeline.engine.target_runner import TargetRunner
+from pipeline.engine.target_runner import TargetRunner, auto_precision, kv_cache_tokens
 from serve_app.events import EventCoalescer
 
 logger = logging.getLogger("ray.serve")
@@ -99,6 +99,8 @@ class ReplicaOptions:
     device: str = "cpu"
     max_batch: int = 8  # concurrent requests in the engine; more wait in the replica queue
     max_model_len: int = 2048
+    max_num_batched_tokens: int | None = 256  # target tokens per round: decode first, prompts in chunks, then drafts
+    kv_cache_gb: float = 2.0  # the paged KV cache's budget (all requests of the replica together)
     threads: int | None = None  # torch intra-op threads (None: leave as is)
     draft_sample_method: str = "probabilistic"
     seed: int = 0
@@ -119,6 +121,11 @@ class ReplicaOptions:
             raise ValueError(f"scheduler must be one of {SCHEDULER_CHOICES}, got {self.scheduler!r}")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_batch:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed max_batch "
+                             f"({self.max_batch}): the decoding requests alone would use up every round")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
         if not 0.0 <= self.shared_hardware <= 1.0:
@@ -235,8 +242,10 @@ class EngineReplica:
         self.built_on_thread = threading.get_ident()
         opts = self.opts
         self.init_stage = f"loading the target {opts.target} ({opts.dtype}; the CPU linear kernel's first load)"
-        self.runner = TargetRunner.from_pretrained(opts.target, dtype=opts.dtype, device=opts.device,
-                                                   max_seq_len=opts.max_model_len)
+        dtype = auto_precision(opts.device) if opts.dtype == "auto" else opts.dtype
+        self.runner = TargetRunner.from_pretrained(opts.target, dtype=dtype, device=opts.device,
+                                                   max_seq_len=opts.max_model_len,
+                                                   kv_cache_tokens=kv_cache_tokens(opts.target, opts.kv_cache_gb))
         drafter = None
         self.cost_table = self.cost_path = None
         self.load_sched = None
@@ -262,7 +271,8 @@ class EngineReplica:
         self.init_stage = "building the engine"
         eos = set(self.runner.config.eos_token_ids) | set(end_of_turn_ids(self.tokenizer))
         self.engine = SpeculativeEngine(self.runner, drafter, spec, tokenizer=self.tokenizer, eos_token_ids=eos,
-                                        max_model_len=opts.max_model_len)
+                                        max_model_len=opts.max_model_len,
+                                        max_num_batched_tokens=opts.max_num_batched_tokens)
 
     # ------------------------------------------------------------------------------------------- public methods
     async def generate(self, request: dict, _route: dict | None = None):

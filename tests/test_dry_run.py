@@ -214,7 +214,8 @@ def test_serve_native_cpu(target_dir, drafters, capsys):
     assert eng_dep["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert plan["engine"]["backend"] == "native" and plan["engine"]["device"] == "cpu"
     opts = plan["engine"]["replica_options"]
-    assert opts["dtype"] == "float32" and opts["drafter"] == str(drafters["gated"]) and opts["threads"] == 1
+    assert opts["dtype"] == "auto" and opts["drafter"] == str(drafters["gated"]) and opts["threads"] == 1  # per replica
+    assert opts["max_num_batched_tokens"] == 256 and opts["kv_cache_gb"] == 2.0
     assert eng_dep["request_router"]["request_router_class"] == ROUTER_CLASS
 
 

@@ -276,6 +276,29 @@ KV_LAYOUTS = ("auto", "paged", "dense")
 DEFAULT_KV_CACHE_TOKENS = 1 << 16  # the paged cache's default budget: 65,536 token positions over all requests
 
 
+def auto_precision(device: str | torch.device = "cpu", hidden_size: int = 576) -> str:
+    """The precision string of ``--dtype auto`` for this engine: ``bfloat16:invariant`` on a CPU where its kernels
+    run (AVX-512) and bf16 weights beat the fp32 layouts at 1 and 8 rows (measured once per process), else
+    ``float32`` (its linear back end chosen by measurement too)."""
+    if (torch.device(device).type == "cpu" and paged_attention_available()
+            and pl.bf16_kernel_wins_few_rows(hidden_size)):
+        return "bfloat16:invariant"
+    return "float32"
+
+
+def kv_cache_tokens(target: str | Path, gigabytes: float) -> int:
+    """Token positions a paged KV cache of ``gigabytes`` holds for the HF model at ``target`` (fp32 keys and values
+    of every layer)."""
+    import json
+
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    return int(gigabytes * (1 << 30) // per_token)
+
+
 def choose_kv_layout(kv_cache: str, device: torch.device, c: TargetConfig, attention_dtype) -> str:
     """"paged" where its attention kernel runs (CPU with AVX-512, head dim 64 or 128, at most 8 query heads per KV
     head, fp32 attention), else "dense"; an explicit "paged" that cannot run is an error naming why."""
