@@ -1,0 +1,96 @@
+"""The batch-invariant CPU kernels (AVX-512): the bf16-weight linear (pipeline/ops/bf16_linear.py) and the paged
+attention (pipeline/ops/paged_attention.py).
+
+Invariance is bitwise: an M-row product equals M 1-row products, for every M across the kernel's tile remainders,
+on 1 and on 2 threads; a query row attends identically whatever other rows share the call.  Accuracy: both agree
+with a float64 / SDPA reference to float rounding.  Where the CPU lacks AVX-512 the kernels are refused by name and
+these tests skip with the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.ops import bf16_linear, paged_attention as pa
+
+needs_linear = pytest.mark.skipif(not bf16_linear.available(),
+                                  reason=f"no bf16-weight kernel here: {bf16_linear.unavailable_reason()}")
+needs_attention = pytest.mark.skipif(not pa.available(),
+                                     reason=f"no paged attention kernel here: {pa.unavailable_reason()}")
+
+
+@needs_linear
+@pytest.mark.parametrize("K,N", [(16, 1), (64, 5), (576, 960), (576, 257), (1536, 576)])
+def test_bf16_linear_rows_are_batch_invariant(K, N):
+    g = torch.Generator().manual_seed(K + N)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g)
+    x = torch.randn(40, K, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        results = {}
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            y = bf16_linear.linear(x, w, b)
+            ref = F.linear(x.double(), w.double(), b.double()).float()
+            assert torch.allclose(y, ref, atol=1e-3, rtol=1e-4), (y - ref).abs().max()
+            for M in range(1, 41):  # every tile remainder (tiles of 8, 4, 3, 2, 1 rows)
+                assert torch.equal(bf16_linear.linear(x[:M], w, b), y[:M]), M
+            singles = torch.stack([bf16_linear.linear(x[i:i + 1], w, b)[0] for i in range(40)])
+            assert torch.equal(singles, y)
+            results[t] = y
+        assert torch.equal(results[1], results[2])  # each output is one thread's: the split changes nothing
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_linear
+def test_bf16_linear_refuses_what_it_cannot_compute():
+    assert not bf16_linear.usable(torch.randn(8, 24).bfloat16())  # K not a multiple of 16
+    assert not bf16_linear.usable(torch.randn(8, 32))  # fp32 weights
+    with pytest.raises(ValueError, match="multiple of 16"):
+        bf16_linear.InvariantLinear(torch.randn(8, 24), None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        bf16_linear.EXT.module.bf16_linear(torch.randn(2, 16), torch.randn(4, 16), None)
+
+
+def _paged_case(H, KVH, hd, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-n // pa.BLOCK) for n in lens) + 3
+    kb = torch.randn(nb, KVH, hd, pa.BLOCK, generator=g)
+    vb = torch.randn(nb, KVH, pa.BLOCK, hd, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks scattered over the pool
+    tables = torch.zeros(len(lens), max(-(-n // pa.BLOCK) for n in lens), dtype=torch.int32)
+    o = 0
+    for r, n in enumerate(lens):
+        for j in range(-(-n // pa.BLOCK)):
+            tables[r, j] = perm[o]
+            o += 1
+    rows = [(r, p) for r, n in enumerate(lens) for p in range(max(0, n - 9), n)]
+    q = torch.randn(len(rows), H, hd, generator=g)
+    return q, kb, vb, tables, torch.tensor([r for r, _ in rows]), torch.tensor([p for _, p in rows])
+
+
+@needs_attention
+@pytest.mark.parametrize("H,KVH,hd", [(9, 3, 64), (8, 8, 64), (16, 2, 128)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_matches_sdpa_and_is_batch_invariant(H, KVH, hd, window):
+    q, kb, vb, tables, rr, rp = _paged_case(H, KVH, hd, [37, 100, 5, 300, 16])
+    out = pa.paged_attention(q, kb, vb, tables, rr, rp, hd ** -0.5, window)
+    ref = pa.reference(q, kb, vb, tables, rr, rp, hd ** -0.5, window)
+    assert torch.allclose(out, ref, atol=3e-5), (out - ref).abs().max()
+    for i in range(q.shape[0]):  # each row alone, and in a reversed batch: the same bits
+        one = pa.paged_attention(q[i:i + 1], kb, vb, tables, rr[i:i + 1], rp[i:i + 1], hd ** -0.5, window)
+        assert torch.equal(one[0], out[i])
+    rev = pa.paged_attention(q.flip(0), kb, vb, tables, rr.flip(0), rp.flip(0), hd ** -0.5, window)
+    assert torch.equal(rev.flip(0), out)
+
+
+@needs_attention
+def test_paged_attention_refuses_bad_layouts():
+    q, kb, vb, tables, rr, rp = _paged_case(9, 3, 64, [20])
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        pa.paged_attention(q, kb, vb, tables, rr, rp + 100, 0.125)
+    with pytest.raises(RuntimeError, match="head dim"):
+        pa.paged_attention(q[..., :32].contiguous(), kb[:, :, :32].contiguous(), vb[..., :32].contiguous(), tables,
+                           rr, rp, 0.125)
