@@ -49,7 +49,10 @@ fi
 # 3. The target model (converted once, atomically; prints its path).
 "$VENV/bin/python" -m jobs.prepare_target >/dev/null
 
-# 4. The small-M linear kernel for AVX2 CPUs (pipeline/ops/small_m_linear.py), built once per source version (~40 s);
-#    where it cannot be built or run the engine keeps its other CPU back ends, so this step never fails set-up.
-"$VENV/bin/python" -m pipeline.ops.small_m_linear || echo "[setup] small-M linear kernel not built (optional)"
+# 4. The CPU kernels (pipeline/ops/extensions.py), each built once per source version (~30-40 s each): the small-M
+#    fp32 linear (AVX2), the bf16-weight linear and the paged attention (AVX-512).  Where one cannot be built or run
+#    the engine keeps its other back ends, so this step never fails set-up.
+for k in small_m_linear bf16_linear paged_attention; do
+  "$VENV/bin/python" -m "pipeline.ops.$k" || echo "[setup] $k kernel not built (optional)"
+done
 echo "[setup] ready: $VENV"
