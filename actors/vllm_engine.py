@@ -4,16 +4,22 @@ The engine arguments and environment come from pipeline.launch.launch_plan (``vl
 the same functions the jobs' ``--dry-run`` prints, so what is printed is what runs.  The engine runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): inside a Ray actor that avoids a second process per actor, and the
 hidden-state connector hands tensors over through process memory.
+
+Each engine is built with Python's temp folder pointed at a folder of its own (``engine_temp_folder``): vLLM's
+rendezvous file goes there, and a killed engine's folder is swept when the next engine starts.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
 
+from pipeline.core.file_lock import sweep_temporaries, temporary_name
 from pipeline.launch.launch_plan import (CPU, EngineLayout, actor_plan, engine_host_bytes, resolve_dtype,
                                          vllm_engine_env, vllm_engine_kwargs)
 from pipeline.launch.placement import INFERENCE, parse_resources
@@ -57,7 +63,35 @@ def build_llm(target: str, max_model_len: int, seed: int = 0, dtype: str = "auto
     os.environ.update(env)
     from vllm import LLM
 
-    return LLM(**kwargs)
+    with engine_temp_folder():
+        return LLM(**kwargs)
+
+
+ENGINE_TEMP = "vllm-engine"  # <temp>/vllm-engine.tmp-<pid>-<random>: the temporary files of one process's engines
+_swept_engine_temps = False
+
+
+@contextlib.contextmanager
+def engine_temp_folder():
+    """Point Python's temp folder, while an engine is built, at a folder of this process's own
+    (``<temp>/vllm-engine.tmp-<pid>-<random>``, pipeline.core.file_lock.temporary_name).  vLLM's engine creates its
+    torch.distributed rendezvous file there (``vllm_dist_<uuid>``, a FileStore that lives as long as the engine)
+    and deletes it only when the engine shuts down cleanly, so every killed job would leave one in the shared temp
+    folder.  The first engine of each process first removes the folders whose process is gone
+    (pipeline.core.file_lock.sweep_temporaries; once per process, so that a second engine never sweeps the first's)."""
+    global _swept_engine_temps
+    base = Path(tempfile.gettempdir())
+    if not _swept_engine_temps:
+        sweep_temporaries(base, ENGINE_TEMP)
+        _swept_engine_temps = True
+    folder = temporary_name(base / ENGINE_TEMP)
+    folder.mkdir(parents=True)
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = previous
 
 
 def _process_sees_gpu() -> bool:

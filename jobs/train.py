@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -70,14 +71,17 @@ def run(cfg: TrainConfig):
 
 
 def resume_point(cfg: TrainConfig):
-    """--resume: the latest checkpoint under --out (either back end's).  A fresh run: a fresh log, and no old
-    checkpoints (Ray Train would auto-restore from its run state)."""
+    """--resume: the latest checkpoint under --out (either back end's); where there is none yet (the run was
+    stopped before its first checkpoint, or never started) the run starts at step 0, so the same command both
+    starts a run and finishes it however it was stopped.  A fresh run: a fresh log, and no old checkpoints (Ray
+    Train would auto-restore from its run state)."""
     if cfg.resume:
         resume_from = latest_checkpoint(cfg.out)
-        if resume_from is None:
-            raise SystemExit(f"--resume: no checkpoint under {cfg.out}/ray or {cfg.out}/{LOCAL_CHECKPOINTS}")
-        print(f"[train] resuming from {resume_from}")
-        return resume_from
+        if resume_from is not None:
+            print(f"[train] resuming from {resume_from}")
+            return resume_from
+        print(f"[train] --resume: no checkpoint under {cfg.out}/ray or {cfg.out}/{LOCAL_CHECKPOINTS} yet; "
+              "starting at step 0")
     (cfg.out / "metrics.jsonl").unlink(missing_ok=True)
     for sub in ("ray", LOCAL_CHECKPOINTS):
         shutil.rmtree(cfg.out / sub, ignore_errors=True)
@@ -136,7 +140,27 @@ def fit_on_ray(cfg: TrainConfig, resume_from):
     result = trainer.fit()
     if result.error:
         raise result.error
+    drop_unregistered_checkpoints(cfg.out / "ray" / RUN_NAME, result)
     return result
+
+
+def drop_unregistered_checkpoints(run_dir, result) -> list:
+    """After a finished run: remove the checkpoint folders under Ray Train's run folder that it does not hold.  Ray
+    Train keeps the checkpoints it registered (the newest CHECKPOINTS_KEPT) and deletes the older ones; a checkpoint
+    that a killed run's worker had persisted but its controller not yet registered (it takes reports at its 2 s
+    health check) is in no record, and would stay for good.  Returns the folders removed."""
+    held = {Path(c.path).resolve() for c, _ in (result.best_checkpoints or [])}
+    if result.checkpoint is not None:
+        held.add(Path(result.checkpoint.path).resolve())
+    if not held:  # no record to go by: keep everything
+        return []
+    dropped = [d for d in Path(run_dir).glob("checkpoint_*") if d.is_dir() and d.resolve() not in held]
+    for d in dropped:
+        shutil.rmtree(d, ignore_errors=True)
+    if dropped:
+        print(f"[train] removed {len(dropped)} checkpoint folder(s) an interrupted run left: "
+              + ", ".join(d.name for d in dropped))
+    return dropped
 
 
 # ---- --dry-run ---------------------------------------------------------------------------------------------------

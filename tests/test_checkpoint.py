@@ -1,5 +1,6 @@
 """Checkpoint export (speculators format) -> load_drafter round trip, and clear errors on bad / mismatched input."""
 import json
+import os
 
 import pytest
 import torch
@@ -109,6 +110,24 @@ def test_round_trip_identical_outputs(tmp_path, target, nd, head):
     export_checkpoint(m, tmp_path / "b")
     m3 = load_drafter(tmp_path / "b", target)
     torch.testing.assert_close(outputs(m3).logits, ref.logits, atol=0.05, rtol=0.05)
+
+
+def test_export_sweeps_what_a_killed_export_left(tmp_path, target):
+    """An export killed half-way leaves its temporary folder (named with its pid); the next export to the same path
+    removes it, and keeps one whose writer is still alive."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    left = tmp_path / f"c.tmp-{dead}-0badc0de"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / f"c.tmp-{os.getppid()}-0badc0de"
+    live.mkdir()
+    export_checkpoint(make_drafter(target), tmp_path / "c", dtype=torch.float32)
+    assert not left.exists() and live.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c", live.name])
 
 
 def test_dflash_round_trip(tmp_path, target):

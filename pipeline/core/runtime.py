@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # pipeline/core/runtime.py -> the repository
 LOOPBACK = "127.0.0.1"
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 MOONCAKE_PROTOCOL_ENV = "DSPARK_MOONCAKE_PROTOCOL"  # how the chosen Mooncake protocol reaches the store clients
@@ -137,7 +137,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
 
     ``address``: None -> RAY_ADDRESS if set (``ray job submit``) else a new local cluster; "auto" or "host:port" ->
     connect.  Returns the ``ray`` module.
-    """
+
+    The new local cluster is asked for as ``address="local"``: with no address, ``ray.init`` would instead join the
+    cluster named in ``<temp>/ray/ray_current_cluster``, which ``ray start`` and Ray's test clusters write -- another
+    user's cluster while it runs, and after one was killed without ``ray stop`` a dead address that ``ray.init``
+    retries without end, so no job could start."""
     apply_env()
     import ray
 
@@ -148,6 +152,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
         ray.init(address=address, log_to_driver=True, **kwargs)
     else:
         ray.init(
+            address="local",
             num_cpus=num_cpus,
             include_dashboard=dashboard,
             dashboard_host=LOOPBACK,

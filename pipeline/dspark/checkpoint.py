@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 import warnings
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 
 from pipeline.dspark.draft_vocab import d2t_from_draft_ids, draft_ids_from_d2t
 from pipeline.dspark.drafter import DSparkDrafter
+from pipeline.core.file_lock import sweep_temporaries, temporary_name
 from pipeline.dspark.target_weights import CONFIG_NAME, WEIGHTS_NAME, load_target_weights
 from pipeline.dspark.config import DrafterConfig, DrafterConfigError
 
@@ -148,7 +148,9 @@ def _t2d_mask(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def export_checkpoint(drafter: DSparkDrafter, path, verifier_name_or_path: str = "", verifier_architectures=None,
                       dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the folder atomically (temp folder in the same parent, then rename over `path`).  Returns `path`."""
+    """Write the folder atomically (temp folder in the same parent, then rename over `path`).  Returns `path`.
+    The temporary names carry the writer's pid (pipeline.core.file_lock.temporary_name), so what an export killed half-way
+    left is swept by the next export to the same path."""
     from safetensors.torch import save_file
 
     cfg = drafter.cfg
@@ -160,8 +162,8 @@ def export_checkpoint(drafter: DSparkDrafter, path, verifier_name_or_path: str =
         warnings.warn(f"export_checkpoint: {config[EXTRA_KEY]['notes'][0]}", stacklevel=2)
     tensors = checkpoint_tensors(drafter, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = path.parent / f".{path.name}.tmp-{tag}"
+    sweep_temporaries(path.parent, path.name)
+    tmp = temporary_name(path)
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -170,7 +172,7 @@ def export_checkpoint(drafter: DSparkDrafter, path, verifier_name_or_path: str =
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if path.exists():
-            old = path.parent / f".{path.name}.old-{tag}"
+            old = temporary_name(path)
             os.rename(path, old)
             os.rename(tmp, path)
             shutil.rmtree(old, ignore_errors=True)

@@ -119,7 +119,9 @@ class TrainConfig:
         "help": "extra Ray resources per worker as JSON, or auto: {\"training\": 1} when the cluster declares "
                 "training nodes, else none (see pipeline/launch/placement.py); {} = no constraint"})
     seed: int = field(default=42, metadata={"help": "seed (init, data order, anchors)"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in --out"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the latest checkpoint in --out (none yet: start at step 0, so the same command starts "
+                "a run and finishes it after a stop)"})
     stop_after: int | None = field(default=None, metadata={
         "help": "end this run after N total steps (checkpointed), as a preemption would; --resume finishes it"})
     max_seconds: float | None = field(default=None, metadata={

@@ -2,8 +2,8 @@
 all-reduce's listeners on loopback.
 
 ``train_loop_per_worker(plan)`` builds pipeline.train.trainer.Trainer with Ray's hooks: rank and world size from the Train
-context, the device from ``ray.train.torch.get_device()`` on GPU workers, the checkpoint to resume from (Ray Train's
-own after a worker-group restart, else jobs.train's --resume), checkpoints and metrics through ``ray.train.report``.
+context, the device from ``ray.train.torch.get_device()`` on GPU workers, the checkpoint to resume from (the newer of
+Ray Train's own and jobs.train's --resume), checkpoints and metrics through ``ray.train.report``.
 With --fsdp the same process group carries FSDP2's all-gathers and reduce-scatters instead of the gradient
 all-reduce (pipeline/train/fsdp.py).
 
@@ -134,20 +134,29 @@ class LoopbackTorchConfig(TorchConfig):
 
 # ---- the worker loop ---------------------------------------------------------------------------------------------
 class RayTrainHooks(TrainerHooks):
-    """Resume from Ray Train's checkpoint when it restarts a failed worker group, else from jobs.train's --resume
-    folder; every report (and checkpoint) goes through ray.train.report, which Ray Train keeps under <out>/ray."""
+    """Resume from the newer of Ray Train's checkpoint and jobs.train's --resume folder; every report (and
+    checkpoint) goes through ray.train.report, which Ray Train keeps under <out>/ray."""
 
     def __init__(self, resume_from: str | None):
         self.resume_from = resume_from
 
     def load_state(self, map_location) -> dict | None:
+        """The later (by step) of two states: Ray Train's checkpoint -- the last one it registered for this run
+        folder (restored from its storage at the start of a run), or the last one of this run when it restarts a
+        failed worker group -- and the --resume folder (jobs.train's pick: the newest checkpoint on disk).  The two
+        differ after a kill: a worker persists its checkpoint at once, but the controller registers it only when
+        it takes the report (at its health check, every 2 s), so the newest checkpoints of a killed run are on disk
+        and not in Ray Train's record."""
+        best = None
         ckpt = ray.train.get_checkpoint()
         if ckpt is not None:
             with ckpt.as_directory() as d:
-                return torch.load(Path(d) / STATE_FILE, map_location=map_location, weights_only=False)
+                best = torch.load(Path(d) / STATE_FILE, map_location=map_location, weights_only=False)
         if self.resume_from:
-            return torch.load(Path(self.resume_from) / STATE_FILE, map_location=map_location, weights_only=False)
-        return None
+            state = torch.load(Path(self.resume_from) / STATE_FILE, map_location=map_location, weights_only=False)
+            if best is None or state["step"] > best["step"]:
+                best = state
+        return best
 
     def report(self, row: dict, checkpoint: Path | None) -> None:
         ray.train.report(row, checkpoint=ray.train.Checkpoint.from_directory(checkpoint) if checkpoint else None)

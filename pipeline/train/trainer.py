@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from pipeline.dspark.checkpoint import export_checkpoint
 from pipeline.dspark.drafter import DSparkDrafter
 from pipeline.dspark.losses import LossConfig, TargetHead
+from pipeline.core.file_lock import sweep_temporaries, temporary_name
 from pipeline.train.fsdp import (full_model_state, full_norm, full_state, load_full_state, parameter_elements,
                                  shard_drafter)
 from pipeline.core.runtime import resolve_device
@@ -70,6 +71,22 @@ class TrainerHooks:
         just wrote (holding STATE_FILE, deleted after the call) on a checkpoint step, else None."""
 
 
+# <temp>/train-checkpoint.tmp-<pid>-<random>: a checkpoint rank 0 writes and hands to the launcher (pipeline.core.file_lock
+# names: a folder left by a writer that was killed while reporting is swept when the next Trainer starts)
+CHECKPOINT_STAGING = "train-checkpoint"
+
+
+@contextmanager
+def checkpoint_staging():
+    """A fresh folder for one checkpoint on its way to the launcher (which copies it), removed afterwards."""
+    folder = temporary_name(Path(tempfile.gettempdir()) / CHECKPOINT_STAGING)
+    folder.mkdir(parents=True)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass
 class StepResult:
     """One optimizer step, summed over all ranks where it says so."""
@@ -92,6 +109,7 @@ class Trainer:
         self.train_ids: list[str] = plan["train_ids"]
         self.total_steps: int = plan["total_steps"]
         self.metrics_path = Path(cfg.out) / "metrics.jsonl"
+        sweep_temporaries(tempfile.gettempdir(), CHECKPOINT_STAGING)  # what killed writers left (checkpoint_staging)
         torch.set_num_threads(cfg.cpus_per_worker)
         torch.manual_seed(cfg.seed)
 
@@ -305,11 +323,11 @@ class Trainer:
         if not checkpoint:
             self.hooks.report(row, None)
             return
-        with tempfile.TemporaryDirectory() as d:
+        with checkpoint_staging() as d:
             state = self.state_dict() if self.rank == 0 or self.fsdp else None  # sharded: gathered by all ranks
             if self.rank == 0:
-                torch.save(state, Path(d) / STATE_FILE)
-            self.hooks.report(row, Path(d) if self.rank == 0 else None)
+                torch.save(state, d / STATE_FILE)
+            self.hooks.report(row, d if self.rank == 0 else None)
 
     def state_dict(self) -> dict:
         """Everything an exact resume needs (the target's frozen embedding / LM head are left out: the target has
