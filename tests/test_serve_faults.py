@@ -39,7 +39,7 @@ def expected(target_dir):
 
 
 def test_serve_killed_while_its_replica_loads_comes_back(target_dir, expected, tmp_path):
-    from jobs.bench._serve_faults import run_serve_fault
+    from jobs.bench.serve_faults import run_serve_fault
     from toy_drafter import export_random_drafter
 
     drafter = export_random_drafter(target_dir, tmp_path / "drafter")

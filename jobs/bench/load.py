@@ -70,7 +70,7 @@ def add_arguments(p) -> None:
                    help="the verification depth cap: every round for fixed, at most for the load-aware scheduler")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="the native systems' --dtype (jobs.serve's default: auto)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed event after the first, for every system alike (jobs.serve "
@@ -136,6 +136,7 @@ async def one_request(client, url: str, model: str, prompt: str, args) -> dict:
     t0 = time.perf_counter()
     ttft = None
     final = usage = None
+    arrivals = []  # when each content chunk arrived (the gaps are the inter-token latencies at --stream-interval 1)
     async with client.stream("POST", url + "/chat/completions", json=body, timeout=args.request_timeout) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
@@ -145,8 +146,10 @@ async def one_request(client, url: str, model: str, prompt: str, args) -> dict:
             ev = json.loads(line[6:])
             if ev.get("choices"):
                 ch = ev["choices"][0]
-                if ttft is None and ch["delta"].get("content"):
-                    ttft = time.perf_counter() - t0
+                if ch["delta"].get("content"):
+                    arrivals.append(time.perf_counter())
+                    if ttft is None:
+                        ttft = arrivals[-1] - t0
                 if ch.get("finish_reason"):
                     final = ev.get("dspark", {})
             if ev.get("usage"):
@@ -155,6 +158,7 @@ async def one_request(client, url: str, model: str, prompt: str, args) -> dict:
     n = (usage or {}).get("completion_tokens", 0)
     final = final or {}
     return {"latency": t, "ttft": ttft if ttft is not None else t, "tokens": n, "rounds": final.get("rounds", 0),
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
             "verified": final.get("verified_tokens", 0), "emitted": final.get("emitted_tokens", 0)}
 
 
@@ -184,10 +188,21 @@ async def run_level(url: str, model: str, c: int, n: int, args, deadline: float)
         "output_tokens": toks, "output_tok_s": toks / wall if wall > 0 else 0.0,
         "per_user_tok_s": statistics.mean(r["tokens"] / r["latency"] for r in ok) if ok else 0.0,
         "median_ttft_s": statistics.median(r["ttft"] for r in ok) if ok else None,
+        "p95_ttft_s": percentile([r["ttft"] for r in ok], 95),
+        "p50_itl_s": percentile([g for r in ok for g in r["gaps"]], 50),
+        "p95_itl_s": percentile([g for r in ok for g in r["gaps"]], 95),
         "mean_verified_depth": (sum(r["verified"] for r in ok) / rounds) if rounds else 0.0,
         "acceptance_length": (sum(r["emitted"] for r in ok) / rounds) if rounds else 0.0,
         "first_error": next((r["error"] for r in results if "error" in r), None),
     }
+
+
+def percentile(xs: list, q: float) -> float | None:
+    """The q-th percentile (nearest rank) of xs, None for no samples."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs)) - 1))]
 
 
 def plot(results: dict, png: Path) -> None:
@@ -196,12 +211,14 @@ def plot(results: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     for name, levels in results.items():
         xs = [lv["concurrency"] for lv in levels]
         a1.plot(xs, [lv["output_tok_s"] for lv in levels], marker="o", label=name)
-        a2.plot(xs, [lv["mean_verified_depth"] for lv in levels], marker="o", label=name)
-    for a, t in ((a1, "output tokens/s"), (a2, "mean verified depth (drafts / round)")):
+        a2.plot(xs, [lv.get("median_ttft_s") or float("nan") for lv in levels], marker="o", label=name)
+        a3.plot(xs, [lv["mean_verified_depth"] for lv in levels], marker="o", label=name)
+    for a, t in ((a1, "output tokens/s (total)"), (a2, "time to first token, median (s)"),
+                 (a3, "mean verified depth (drafts / round)")):
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrent users")
         a.set_title(t)
@@ -432,6 +449,7 @@ def run(args, harness) -> dict:
 
     results = {label: [dict(concurrency=c, reps=len(lvs), errors=sum(lv["errors"] for lv in lvs),
                             **{k: med(lvs, k) for k in ("output_tok_s", "per_user_tok_s", "median_ttft_s",
+                                                        "p95_ttft_s", "p50_itl_s", "p95_itl_s",
                                                         "mean_verified_depth", "acceptance_length",
                                                         "engine_ms_per_round", "engine_draft_ms_per_round",
                                                         "engine_target_ms_per_round", "engine_busy")},
@@ -453,11 +471,14 @@ def run(args, harness) -> dict:
         for lv in lvs:
             r = lv["vs_fastest_no_spec"]
             rows.append([label, lv["concurrency"], f"{lv['output_tok_s']:.1f}", f"{lv['per_user_tok_s']:.2f}",
-                         f"{lv['median_ttft_s'] or 0:.3f}", f"{lv['mean_verified_depth']:.2f}",
+                         f"{lv['median_ttft_s'] or 0:.3f}", f"{lv['p95_ttft_s'] or 0:.3f}",
+                         f"{1e3 * (lv['p50_itl_s'] or 0):.0f} / {1e3 * (lv['p95_itl_s'] or 0):.0f}",
+                         f"{lv['mean_verified_depth']:.2f}",
                          f"{lv['acceptance_length']:.2f}", f"{r:.2f}" if r is not None else "n/a",
                          lv["fastest_no_spec"] or "n/a"])
     harness.table("load test (medians over the repetitions)",
-                  ["system", "users", "tok/s", "tok/s/user", "TTFT med", "depth", "tau", "vs fastest no-spec",
+                  ["system", "users", "tok/s", "tok/s/user", "TTFT p50 s", "TTFT p95 s", "ITL p50/p95 ms", "depth",
+                   "tau", "vs fastest no-spec",
                    "fastest no-spec"], rows)
     cost_rows = []
     for label, lvs in results.items():

@@ -1,6 +1,9 @@
 """Stop ``jobs.serve`` (or one of its engine replicas) at a chosen moment, start it again, and measure what a user
 sees: how long until ``GET /health`` is 200, whether the restarted server's greedy output equals the target's, and
-what the stopped run left behind (processes, lock files that block).
+what the stopped run left behind (processes of the stopped run still alive).
+
+    python -m jobs.bench serve_faults [--drafter DIR] [--moments ray-start deploying serving replica]
+                                      [--signals SIGTERM SIGKILL]
 
 The moments of a ``jobs.serve`` start-up, in order:
 
@@ -24,6 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.core.runtime import PROJECT_ROOT
+
+NAME = "serve_faults"
+HELP = "stop jobs.serve (or a replica) while it starts / serves, start it again: time to ready, output, leftovers"
+HEADER = ["what", "signal", "when", "stopped after s", "ready again after s", "greedy output equal", "leftovers",
+          "notes"]
 
 MOMENTS = ("ray-start", "deploying", "serving", "replica")
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL, "SIGINT": signal.SIGINT}
@@ -257,3 +265,48 @@ def _replica_fault(run: ServeRun, sig: int, result: ServeFault, model: str, prom
         started = descendants(run.proc.pid)
         run.stop(signal.SIGTERM)
         result.leftovers = survivors(started)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--drafter", default=None, help="exported drafter (default: an untrained one, exported here)")
+    p.add_argument("--moments", nargs="+", default=list(MOMENTS), choices=list(MOMENTS))
+    p.add_argument("--signals", nargs="+", default=["SIGTERM", "SIGKILL"], choices=list(SIGNALS))
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--port", type=int, default=8793)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a start")
+
+
+def run(args, harness) -> dict:
+    from transformers import AutoTokenizer
+
+    from jobs.bench.load import random_drafter
+    from pipeline.data.prompts import chat_prompt_ids, end_of_turn_ids
+    from pipeline.data.target_model import prepare_smollm2
+    from pipeline.engine.engine import SpecConfig, SpeculativeEngine
+    from pipeline.engine.target_runner import TargetRunner, auto_precision
+    from pipeline.ops.sampling import SamplingParams
+
+    target = prepare_smollm2()
+    drafter = args.drafter or random_drafter(str(target), harness.out_dir / "drafter")
+    tok = AutoTokenizer.from_pretrained(str(target))
+    prompt, max_tokens = "Name three colours.", 12
+    runner = TargetRunner.from_pretrained(str(target), auto_precision())  # the replicas' --dtype auto
+    eng = SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok,
+                            eos_token_ids=set(runner.config.eos_token_ids) | set(end_of_turn_ids(tok)))
+    expected = eng.generate([chat_prompt_ids(tok, prompt)], SamplingParams(temperature=0.0), max_tokens)[0].output_ids
+    del eng, runner
+    serve_args = ["--drafter", str(drafter), "--target", str(target), "--replicas", str(args.replicas),
+                  "--profile-batch-sizes", "1", "2", "4", "--ready-wait-s", "10"]
+    rows, results = [], []
+    for moment in args.moments:
+        for sig in args.signals:
+            print(f"[serve_faults] {moment} {sig} ...", flush=True)
+            r = run_serve_fault(moment, sig, serve_args, args.port, harness.out_dir / "logs", target.name, prompt,
+                                expected, ready_timeout=args.timeout)
+            print("[serve_faults] " + " | ".join(map(str, r.row())), flush=True)
+            rows.append(r.row())
+            results.append(r.__dict__)
+    harness.table("jobs.serve stopped and started again", HEADER, rows)
+    if any(not r["output_equal"] or r["leftovers_at_end"] for r in results):
+        harness.exit_status = 1
+    return {"scenarios": results}
