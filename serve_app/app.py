@@ -78,7 +78,8 @@ class ServeConfig:
     max_batch: int = field(default=8, metadata={"help": "concurrent requests per replica (more wait in its queue)"})
     max_queue: int = field(default=64, metadata={"help": "requests waiting per replica beyond max_batch before the "
                                                           "router holds them back"})
-    max_model_len: int = field(default=2048, metadata={"help": "context length (prompt + completion)"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length, prompt + completion (default: the target's max_position_embeddings; more is refused)"})
     max_num_batched_tokens: int | None = field(default=256, metadata={
         "help": "target tokens per engine round (vLLM's name): the decoding requests first, then prompts in chunks "
                 "(a long prompt over several rounds while the others keep decoding), then verified drafts"})
@@ -190,6 +191,8 @@ class ServeConfig:
                             "vLLM takes float32 | bfloat16 | float16")
         if self.engine == "vllm" and self.speculative():
             check_vllm_drafter(self.drafter)
+        if self.max_model_len is not None:
+            self.model_len()  # PlanError naming --max-model-len beyond the target's positions
 
     def speculative(self) -> bool:
         return self.drafter is not None and self.scheduler != "none"
@@ -216,6 +219,18 @@ class ServeConfig:
     def resolved_target(self) -> str:
         return str(resolve_target(self.target))
 
+    def model_len(self, target: str | None = None) -> int:
+        """--max-model-len, or the target's max_position_embeddings; PlanError for more than the target has."""
+        target = target or self.resolved_target()
+        cfg = json.loads((Path(target) / "config.json").read_text())
+        limit = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or 1 << 20)
+        if self.max_model_len is None:
+            return limit
+        if not 1 <= self.max_model_len <= limit:
+            raise PlanError(f"--max-model-len {self.max_model_len}: the target has {limit} positions "
+                            f"(max_position_embeddings); use 1..{limit}")
+        return self.max_model_len
+
     def served_model_name(self, target: str | None = None) -> str:
         return self.model_name or Path(target or self.resolved_target()).name
 
@@ -235,7 +250,7 @@ class ServeConfig:
         opts = ReplicaOptions(
             target=target, drafter=str(self.drafter) if self.drafter else None, scheduler=self.scheduler,
             num_speculative_tokens=self.num_speculative_tokens, dtype=self.precision(), device="cuda" if self.gpu else "cpu", max_batch=self.max_batch,
-            max_model_len=self.max_model_len, threads=self.threads_per_replica(), seed=self.seed,
+            max_model_len=self.model_len(target), threads=self.threads_per_replica(), seed=self.seed,
             cost_table=self.cost_table, profile_batch_sizes=list(self.profile_batch_sizes),
             shared_hardware=self.shared_hardware, token_budget=self.token_budget,
             draft_sample_method=self.draft_sample_method, model_name=self.served_model_name(target),
@@ -268,7 +283,7 @@ def vllm_engine_config(cfg: ServeConfig, target: str | None = None) -> dict:
     """vLLM engine arguments for the GPU path (``AsyncEngineArgs(**d)``), speculative_config method=dspark."""
     target = target or cfg.resolved_target()
     dtype = str(parse_precision(cfg.precision())[0]).removeprefix("torch.")  # vLLM's name; ':mkl' suffixes are ours
-    d = vllm_engine_kwargs(target, cfg.max_model_len, cfg.seed, dtype, cfg.layout())
+    d = vllm_engine_kwargs(target, cfg.model_len(target), cfg.seed, dtype, cfg.layout())
     d = {"model": d.pop("model"), "served_model_name": cfg.served_model_name(target), **d}
     if cfg.speculative():
         spec = {
@@ -410,7 +425,7 @@ def serve_plan(cfg: ServeConfig) -> dict:
     else:
         engine = {"backend": "native", "device": "cuda" if cfg.gpu else "cpu",
                   "replica_class": "serve_app.replica.EngineReplica", "replica_options": cfg.replica_options(target)}
-    ingress = dict(INGRESS_OPTIONS, model_name=cfg.served_model_name(target), max_model_len=cfg.max_model_len,
+    ingress = dict(INGRESS_OPTIONS, model_name=cfg.served_model_name(target), max_model_len=cfg.model_len(target),
                    default_max_tokens=cfg.default_max_tokens)
     actors, ingress_cpus = eng_dep["ray_actor_options"], INGRESS_OPTIONS["ray_actor_options"]["num_cpus"]
     return {
@@ -460,7 +475,7 @@ def build_app(config: ServeConfig | dict):
     router = opts.pop("request_router")
     router["request_router_class"] = LoadAwareRouter
     engine = deployment.options(**opts, request_router_config=RequestRouterConfig(**router))
-    ing = IngressOptions(target=target, model_name=cfg.served_model_name(target), max_model_len=cfg.max_model_len,
+    ing = IngressOptions(target=target, model_name=cfg.served_model_name(target), max_model_len=cfg.model_len(target),
                          default_max_tokens=cfg.default_max_tokens, engine_deployment=ENGINE_DEPLOYMENT,
                          engine_replicas=cfg.replicas, ready_wait_s=cfg.ready_wait_s)
     return OpenAIIngress.options(**INGRESS_OPTIONS).bind(engine.bind(arg), dataclasses.asdict(ing))

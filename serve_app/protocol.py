@@ -8,9 +8,10 @@ and nesting deeper than a couple of hundred levels) and the model checks every f
 ``'temperature' must be <= 2.0, got 3.0`` or ``'messages[1].content' must be a string or a list of text parts``.
 
 Field names follow the OpenAI API (plus the vLLM extras ``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``repetition_penalty`` and ``return_token_ids``).  ``null`` means "not given" for every top-level field; unknown fields
-are ignored.  Features this server does not implement (n > 1, best_of > 1, logprobs, echo, suffix, non-zero penalties,
-logit_bias, several prompts) are rejected instead of being silently ignored.
+``repetition_penalty`` and ``return_token_ids``).  ``null`` means "not given" for every top-level field.  A field this
+server does not honour is rejected by name instead of being silently ignored: an unknown top-level field (e.g.
+``tools``, ``response_format``, ``min_p``) is a 400, and so are values of known fields it does not implement (n > 1,
+best_of > 1, logprobs, echo, suffix, non-zero penalties, logit_bias, several prompts).
 """
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ _EXPECTED = {"int_type": "an integer", "int_from_float": "an integer", "int_pars
              "model_type": "an object", "model_attributes_type": "an object"}
 _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
            "less_than": ("<", "lt")}
+# top-level fields of the OpenAI / vLLM APIs this server does not implement, and what they ask for
+_NOT_HONOURED = {"tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+                 "functions": "function calling", "function_call": "function calling",
+                 "response_format": "structured output", "guided_json": "structured output",
+                 "guided_regex": "structured output", "guided_choice": "structured output",
+                 "min_p": "min-p sampling", "min_tokens": "a minimum completion length",
+                 "prompt_logprobs": "prompt log-probabilities", "modalities": "only text", "audio": "only text"}
 # error types raised by the validators below (PydanticCustomError): their message follows the quoted field path
 _OWN = {"unsupported", "invalid_value", "invalid_type", "missing_required_parameter", "model_not_found"}
 
@@ -106,6 +114,11 @@ def error_from_validation(exc: ValidationError) -> APIError:
     got = e.get("input")
     if kind in _OWN:
         return APIError(404 if kind == "model_not_found" else 400, f"'{param}' {e['msg']}", param, kind)
+    if kind == "extra_forbidden":
+        what = _NOT_HONOURED.get(param)
+        msg = (f"'{param}' is not supported by this server ({what}): leave it out" if what else
+               f"'{param}' is not a field this server takes (it would be ignored): leave it out")
+        return APIError(400, msg, param, "unsupported")
     if kind in _EXPECTED:
         return APIError(400, f"'{param}' must be {_EXPECTED[kind]}, got {type(got).__name__}", param, "invalid_type")
     if kind in _BOUNDS:
@@ -192,7 +205,7 @@ class _GenerationRequest(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions.  Declaration order is the order in which
     problems are reported (the model first, so an unknown model is a 404 whatever else is wrong)."""
 
-    model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     model: StrictStr
     temperature: Annotated[Number, Field(ge=0.0, le=2.0)] = 1.0

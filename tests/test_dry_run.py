@@ -180,7 +180,7 @@ def test_serve_vllm_one_gpu_per_replica(target_dir, drafters, capsys):
     assert eng["env"] == {"VLLM_TARGET_DEVICE": "cuda"}
     assert eng["kwargs"] == {
         "model": str(target_dir), "served_model_name": Path(target_dir).name, "dtype": "bfloat16",
-        "max_model_len": 2048, "seed": 0, "tensor_parallel_size": 1, "gpu_memory_utilization": 0.8,
+        "max_model_len": 8192, "seed": 0, "tensor_parallel_size": 1, "gpu_memory_utilization": 0.8,
         "max_num_seqs": 32,
         "speculative_config": {"method": "dspark", "model": str(drafters["vanilla"]), "num_speculative_tokens": 4,
                                "draft_sample_method": "probabilistic", "rejection_sample_method": "standard",
@@ -275,6 +275,8 @@ def test_serve_vllm_refuses_checkpoints_it_cannot_load(target_dir, drafters, cap
     (["--engine", "vllm", "--scheduler", "none", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
     (["--engine", "vllm", "--scheduler", "none", "--dtype", "float32:mkl"], "--dtype float32:mkl"),
     (["--replica-cpus", "-1"], "--replica-cpus must be >= 0"),
+    (["--max-model-len", "9000"], "--max-model-len 9000: the target has 8192 positions"),
+    (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens (8) must exceed --max-batch (8)"),
     (["--engine", "vllm", "--vllm-device", "cpu", "--scheduler", "none", "--tensor-parallel-size", "2"],
      "--vllm-device cpu runs one engine per replica"),
 ])
