@@ -68,8 +68,10 @@ class EvalConfig:
                                                                     "profiled now)"})
     spec_dtype: str = field(default="float32", metadata={"help": "target precision for speculative verification "
                                                                   "(acceptance always uses fp32 probabilities)",
-                                                          "choices": ["bfloat16", "bfloat16:packed", "float32",
-                                                                      *(f"float32:{b}" for b in LINEAR_BACKENDS)]})
+                                                          "choices": ["bfloat16", "bfloat16:packed",
+                                                                      "bfloat16:invariant", "float32",
+                                                                      *(f"float32:{b}" for b in LINEAR_BACKENDS
+                                                                        if b != "invariant")]})
     drafter_dtype: str = field(default="auto", metadata={
         "help": "drafter precision: auto = bfloat16 when --spec-dtype is bfloat16 and the device computes bf16 "
                 "natively (a GPU, or a CPU with avx512_bf16 / AMX: packed bf16 weights), else float32.  Only the "
@@ -191,6 +193,8 @@ def resolve_drafter_dtype(choice: str, spec_dtype: str, device: str) -> torch.dt
         return torch.bfloat16
     if choice != "auto":
         raise ValueError(f"--drafter-dtype must be auto, float32 or bfloat16, got {choice!r}")
+    if spec_dtype.endswith(":invariant"):  # bf16 weights, fp32 activations: an fp32 drafter beside it
+        return torch.float32
     native = device.startswith("cuda") or cpu_has_native_bf16()
     return torch.bfloat16 if spec_dtype.split(":")[0] in ("bfloat16", "bf16") and native else torch.float32
 
