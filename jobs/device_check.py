@@ -171,8 +171,8 @@ def drafter_config(model, block_size: int) -> DrafterConfig:
 # ------------------------------------------------------------------------------------------------- 1. training
 def check_training(cfg: CheckConfig, model) -> dict:
     """CPU fp32 vs device fp32 and device bf16 autocast: one accumulated step on three short sequences."""
-    try:  # the losses and pipeline.train.config need pyarrow (their stores): report it missing, run the other checks
-        training = importlib.import_module("pipeline.train.config")
+    try:  # the losses and pipeline.train.step need pyarrow (their stores): report it missing, run the other checks
+        training = importlib.import_module("pipeline.train.step")
         from pipeline.dspark.losses import LossConfig, TargetHead, weight_sum
     except ImportError as e:
         return {"skipped": f"import failed: {e}"}

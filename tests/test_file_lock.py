@@ -69,7 +69,7 @@ def test_atomic_write_and_sweep(tmp_path):
 # ------------------------------------------------------------------------------------------- the small-M kernel
 pytestmark_kernel = pytest.mark.skipif(not small_m_linear.available(),
                                        reason=f"no small-M kernel here: {small_m_linear.unavailable_reason()}")
-PROBE = ("import time; t = time.monotonic(); from pipeline import small_m_linear as k; ok = k.ensure(); "
+PROBE = ("import time; t = time.monotonic(); from pipeline.ops import small_m_linear as k; ok = k.ensure(); "
          "print(ok, round(time.monotonic() - t, 2), k.unavailable_reason(), flush=True)")
 
 

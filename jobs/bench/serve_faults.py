@@ -124,6 +124,9 @@ class ServeRun:
             self.proc.wait()
 
 
+AGENT_GRACE_S = 90.0  # how long after the restart check a killed run's Ray agents may still be exiting
+
+
 def descendants(pid: int) -> dict[int, str]:
     """{pid: command line} of every process ``pid`` started, directly or not, that is alive now."""
     import psutil
@@ -179,7 +182,7 @@ class ServeFault:
     restart_ready_s: float | None = None  # launch of the restart -> GET /health 200
     output_equal: bool | None = None  # the restarted server's greedy output == the target's
     leftovers: list = field(default_factory=list)  # processes of the stopped run alive 30 s after the stop
-    leftovers_at_end: list = field(default_factory=list)  # ... and still alive after the restart was checked
+    leftovers_at_end: list = field(default_factory=list)  # ... and still alive AGENT_GRACE_S after the restart check
     notes: str = ""
 
     def row(self) -> list:
@@ -193,7 +196,7 @@ class ServeFault:
             return "none"
         names = sorted({x.split(" ", 1)[1].split()[0] for x in self.leftovers})
         gone = "all gone by the end of the restart check" if not self.leftovers_at_end else \
-            f"{len(self.leftovers_at_end)} still alive at the end"
+            f"{len(self.leftovers_at_end)} still alive {AGENT_GRACE_S:.0f} s after it"
         return f"{', '.join(names)} alive 30 s after the stop; {gone}"
 
 
@@ -233,8 +236,9 @@ def run_serve_fault(moment: str, sig_name: str, serve_args: list, port: int, wor
         result.output_equal = greedy_chat(second.base, model, prompt, len(expected)) == expected
     finally:
         second.stop(signal.SIGTERM)
+        # the agents of a SIGKILLed Ray cluster wait out their GCS reconnect timeout (60 s) before they exit
         result.leftovers_at_end = survivors({int(x.split()[0]): x.split(" ", 1)[1] for x in result.leftovers},
-                                            settle_s=0)
+                                            settle_s=AGENT_GRACE_S)
     return result
 
 
