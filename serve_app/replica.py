@@ -315,8 +315,11 @@ class EngineReplica:
         steps_per_s = len(rec) / 5.0
         tokens_per_s = sum(r[2] for r in rec) / 5.0
         step_s = self._step_ema
-        if step_s is None:
-            step_s = self.cost_table.step_time(1) if self.cost_table is not None else None
+        idle = self.engine.num_active() == 0 and not self._pending
+        if (step_s is None or idle) and self.cost_table is not None:
+            # an idle replica's next round holds one request: its profiled t(1), not the EMA of its last busy
+            # rounds (a long prompt's prefill chunks would keep an idle replica looking slow to the router)
+            step_s = self.cost_table.step_time(1)
         return {
             "replica": self.replica_id, "ts": now,
             "active": self.engine.num_active(), "queued": len(self._pending), "max_batch": self.opts.max_batch,

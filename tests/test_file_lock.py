@@ -114,7 +114,7 @@ def test_live_build_lock_gives_a_named_error_within_the_bound(tmp_path):
         p.kill()
         p.wait()
     assert not ok and secs < 10
-    assert "small-M linear kernel build" in reason and "held by another live process" in reason and str(p.pid) in reason
+    assert "build of the small-M linear kernel" in reason and "held by another live process" in reason and str(p.pid) in reason
 
 
 @pytestmark_kernel

@@ -290,7 +290,7 @@ BAD = [
     ("/completions", {"model": "M", "prompt": "hi", "stop": 5}, 400),
     ("/completions", {"model": "M", "prompt": "hi", "logprobs": 5}, 400),
     ("/completions", {"model": "M", "prompt": "hi", "stream_options": {"include_usage": True}}, 400),
-    ("/completions", {"model": "M", "prompt": "word " * 3000, "max_tokens": 4}, 400),  # over-long prompt
+    ("/completions", {"model": "M", "prompt": "word " * 9000, "max_tokens": 4}, 400),  # over the 8,192 context
     ("/chat/completions", {"model": "M"}, 400),  # missing messages
     ("/chat/completions", {"model": "M", "messages": []}, 400),
     ("/chat/completions", {"model": "M", "messages": "hi"}, 400),
