@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,17 +36,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
+from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.data.prompts import chat_prompt_ids
 from pipeline.core.runtime import apply_env
 from serve_app.ingress_metrics import CONTENT_TYPE, IngressMetrics
 from serve_app.readiness import ReadinessProbe
-from serve_app.protocol import (APIError, AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
-                                CompletionChunk, CompletionRequest, CompletionResponse, Health, Liveness, ModelCard,
-                                ModelList,
-                                Usage)
+from serve_app.protocol import (SEED_RANGE, APIError, AssistantMessage, ChatChoice, ChatChunkChoice,
+                                ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+                                ChatLogprobs, CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                CompletionRequest, CompletionResponse, Health, Liveness, ModelCard, ModelList,
+                                TokenLogprob, TopLogprob, Usage)
 from serve_app.router import cluster_view, known_replicas
 
 MAX_BODY_BYTES = 1 << 20
@@ -109,6 +111,7 @@ class OpenAIIngress:
         self.model_ids = {self.opts.model_name, *self.opts.extra_model_ids}
         self.metrics = IngressMetrics(self.opts.model_name)
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}  # token id -> its text (logprobs)
         try:
             app_name = serve.get_replica_context().app_name
         except Exception:  # constructed outside Serve (unit use)
@@ -164,11 +167,20 @@ class OpenAIIngress:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         req = {"request_id": rid, "prompt_ids": prompt_ids, "max_tokens": mt, "stream": bool(body.stream),
                **body.engine_sampling()}
+        reqs = [req] if body.n == 1 else [self._choice_request(req, i) for i in range(body.n)]
         if body.stream:
             self.metrics.request(endpoint, 200)
-            return StreamingResponse(self._stream(rid, req, body, chat), media_type="text/event-stream",
+            return StreamingResponse(self._stream(rid, reqs, body, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-        return await self._complete(rid, req, body, chat, endpoint)
+        return await self._complete(rid, reqs, body, chat, endpoint)
+
+    @staticmethod
+    def _choice_request(req: dict, i: int) -> dict:
+        """Choice i of an n > 1 request: its own engine request; with a seed, seed + i (independent samples that a
+        rerun with the same seed reproduces)."""
+        seed = req.get("seed")
+        return {**req, "request_id": f"{req['request_id']}-{i}",
+                "seed": None if seed is None else (seed + i) % SEED_RANGE}
 
     async def _wait_for_a_replica(self) -> None:
         """Return once an engine replica can take a request; a 503 naming why after ``ready_wait_s`` (before the
@@ -204,8 +216,14 @@ class OpenAIIngress:
             raise APIError(400, f"the chat template rejected the messages: {e}", "messages",
                            "invalid_value") from None
 
-    async def _events(self, req: dict):
-        """Engine events for one request; cancels the engine stream if the consumer goes away."""
+    async def _events(self, req: dict, own_call_id: bool = False):
+        """Engine events for one request; cancels the engine stream if the consumer goes away.  own_call_id: this
+        is one of several concurrent engine calls of the same HTTP request (the n choices) and runs in a task of
+        its own: give it a Serve request id of its own, since Serve's router keys its pending calls by the id every
+        call made while serving the HTTP request inherits, and same-id calls in flight together never complete."""
+        if own_call_id:
+            ctx = serve_context._get_serve_request_context()
+            serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=uuid.uuid4().hex))
         gen = self.engine.remote(req)
         done = False
         try:
@@ -219,100 +237,201 @@ class OpenAIIngress:
             if not done:
                 gen.cancel()
 
-    async def _complete(self, rid: str, req: dict, body, chat: bool, endpoint: str):
+    # ------------------------------------------------------------------------------------------ logprobs
+    def _token_text(self, tid: int) -> str:
+        t = self._token_texts.get(tid)
+        if t is None:
+            t = self._token_texts[tid] = self.tok.decode([tid])
+        return t
+
+    def _chat_logprobs(self, ids: list, entries: list) -> ChatLogprobs:
+        """Engine log-probabilities [(logprob, [(id, logprob)] * k)] per id -> the chat ``logprobs`` object."""
+        def top(tid, lp):
+            t = self._token_text(tid)
+            return TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
+
+        return ChatLogprobs(content=[TokenLogprob(**top(tid, lp).model_dump(),
+                                                  top_logprobs=[top(i, v) for i, v in alts])
+                                     for tid, (lp, alts) in zip(ids, entries)])
+
+    def _completion_logprobs(self, ids: list, entries: list, offset: int = 0) -> CompletionLogprobs:
+        """... -> the completions ``logprobs`` object; text offsets count from ``offset`` characters."""
+        out = CompletionLogprobs()
+        for tid, (lp, alts) in zip(ids, entries):
+            t = self._token_text(tid)
+            out.tokens.append(t)
+            out.token_logprobs.append(lp)
+            out.top_logprobs.append({self._token_text(i): v for i, v in alts})
+            out.text_offset.append(offset)
+            offset += len(t)
+        return out
+
+    # ------------------------------------------------------------------------------------------ responses
+    async def _collect(self, req: dict, t0: float, first_choice: bool = True, own_call_id: bool = False) -> dict:
+        """Run one choice to its end: {"text", "ids", "logprobs", "last" (the finishing event), "replica"}; an
+        engine error becomes an APIError."""
+        m = self.metrics
+        text, ids, lps, last, replica = [], [], [], None, None
+        async with contextlib.aclosing(self._events(req, own_call_id)) as events:
+            async for ev in events:
+                replica = ev.get("replica", replica)
+                if ev.get("error"):
+                    raise APIError(int(ev.get("status", 500)), ev["error"], None,
+                                   "engine_error" if ev.get("status", 500) >= 500 else "invalid_value")
+                if first_choice and not ids and ev.get("token_ids"):
+                    m.ttft.observe(time.monotonic() - t0)
+                text.append(ev.get("text", ""))
+                ids.extend(ev.get("token_ids", []))
+                lps.extend(ev.get("logprobs") or [])
+                m.tokens(len(ev.get("token_ids", [])))
+                last = ev
+        m.finish(len(req["prompt_ids"]), time.monotonic() - t0, last.get("stats") if last else None)
+        return {"text": "".join(text), "ids": ids, "logprobs": lps, "last": last, "replica": replica}
+
+    async def _complete(self, rid: str, reqs: list, body, chat: bool, endpoint: str):
         m = self.metrics
         t0 = time.monotonic()
-        text, ids, last, replica, first = [], [], None, None, True
         try:
             with m.in_flight.track_inprogress():
-                async with contextlib.aclosing(self._events(req)) as events:
-                    async for ev in events:
-                        replica = ev.get("replica", replica)
-                        if ev.get("error"):
-                            raise APIError(int(ev.get("status", 500)), ev["error"], None,
-                                           "engine_error" if ev.get("status", 500) >= 500 else "invalid_value")
-                        if first and ev.get("token_ids"):
-                            m.ttft.observe(time.monotonic() - t0)
-                            first = False
-                        text.append(ev.get("text", ""))
-                        ids.extend(ev.get("token_ids", []))
-                        m.tokens(len(ev.get("token_ids", [])))
-                        last = ev
-        except APIError as e:
+                if len(reqs) == 1:
+                    outs = [await self._collect(reqs[0], t0)]
+                else:  # the choices run side by side; one failing cancels the others
+                    async with asyncio.TaskGroup() as tg:
+                        tasks = [tg.create_task(self._collect(r, t0, i == 0, own_call_id=True))
+                                 for i, r in enumerate(reqs)]
+                    outs = [t.result() for t in tasks]
+        except Exception as e:
+            while isinstance(e, ExceptionGroup):  # a choice of several failed: its own error
+                e = e.exceptions[0]
+            if not isinstance(e, APIError):
+                e = APIError(500, f"engine failure: {type(e).__name__}: {e}", None, "engine_error")
             m.request(endpoint, e.status)
             return e.response()
-        except Exception as e:
-            m.request(endpoint, 500)
-            return APIError(500, f"engine failure: {type(e).__name__}: {e}", None, "engine_error").response()
-        n_prompt = len(req["prompt_ids"])
+        n_prompt = len(reqs[0]["prompt_ids"])
         m.request(endpoint, 200)
-        m.finish(n_prompt, time.monotonic() - t0, last.get("stats") if last else None)
-        n_out = last.get("completion_tokens", len(ids)) if last else len(ids)
-        finish = (last or {}).get("finish_reason") or "stop"
-        out_text = "".join(text)
-        extra = {"token_ids": ids, "prompt_token_ids": list(req["prompt_ids"])} if body.return_token_ids else {}
+        choices, n_out = [], 0
+        for i, o in enumerate(outs):
+            last = o["last"] or {}
+            n_out += last.get("completion_tokens", len(o["ids"]))
+            finish = last.get("finish_reason") or "stop"
+            extra = {"token_ids": o["ids"], "prompt_token_ids": list(reqs[0]["prompt_ids"])} \
+                if body.return_token_ids else {}
+            if body.logprobs_wanted() is not None:
+                extra["logprobs"] = (self._chat_logprobs if chat else self._completion_logprobs)(o["ids"],
+                                                                                                 o["logprobs"])
+            if chat:
+                choices.append(ChatChoice(index=i, message=AssistantMessage(content=o["text"]), finish_reason=finish,
+                                          **extra))
+            else:
+                choices.append(CompletionChoice(index=i, text=o["text"], finish_reason=finish, **extra))
+        replica = outs[0]["replica"]
+        dspark = self._dspark(outs[0]["last"], replica)
+        if len(outs) > 1:
+            dspark["choices"] = [self._dspark(o["last"], o["replica"]) for o in outs]
         common = dict(id=rid, created=int(time.time()), model=body.model, usage=Usage.of(n_prompt, n_out),
-                      dspark=self._dspark(last, replica))
-        if chat:
-            resp = ChatCompletionResponse(choices=[ChatChoice(message=AssistantMessage(content=out_text),
-                                                              finish_reason=finish, **extra)], **common)
-        else:
-            resp = CompletionResponse(choices=[CompletionChoice(text=out_text, finish_reason=finish, **extra)],
-                                      **common)
+                      dspark=dspark)
+        resp = (ChatCompletionResponse if chat else CompletionResponse)(choices=choices, **common)
         return _json(resp, headers={"X-DSpark-Replica": str(replica), "X-Request-Id": rid})
 
-    async def _stream(self, rid: str, req: dict, body, chat: bool):
+    async def _choice_events(self, reqs: list):
+        """(choice index, engine event) of every choice, as they come; the streams of the others are cancelled
+        when the consumer stops."""
+        if len(reqs) == 1:
+            async with contextlib.aclosing(self._events(reqs[0])) as events:
+                async for ev in events:
+                    yield 0, ev
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, req: dict):
+            try:
+                async with contextlib.aclosing(self._events(req, own_call_id=True)) as events:
+                    async for ev in events:
+                        await queue.put((i, ev))
+            except Exception as e:
+                await queue.put((i, {"error": f"engine failure: {type(e).__name__}: {e}", "status": 500,
+                                     "finished": True}))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, ev = await queue.get()
+                if ev is None:
+                    open_ -= 1
+                    continue
+                yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _stream(self, rid: str, reqs: list, body, chat: bool):
         m = self.metrics
         t0 = time.monotonic()
         head = dict(id=rid, created=int(time.time()), model=body.model)
-        first, last, n_ids, finished = True, None, 0, False
+        n = len(reqs)
+        started, n_ids, last, offsets = [False] * n, [0] * n, [None] * n, [0] * n
+        want_lp = body.logprobs_wanted() is not None
+        finished_all = False
 
-        def chunk(text=None, finish=None, role=False, token_ids=None, **extra) -> bytes:
+        def chunk(i, text=None, finish=None, role=False, token_ids=None, lps=None, **extra) -> bytes:
             if chat:
                 delta = ChatDelta(role="assistant" if role else None, content=text)
-                return _sse(ChatCompletionChunk(choices=[ChatChunkChoice(delta=delta, finish_reason=finish,
-                                                                         token_ids=token_ids)], **head, **extra))
-            return _sse(CompletionChunk(choices=[CompletionChoice(text=text or "", finish_reason=finish,
-                                                                  token_ids=token_ids)], **head, **extra))
+                lp = self._chat_logprobs(token_ids_all, lps) if lps is not None else None
+                return _sse(ChatCompletionChunk(choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
+                                                                         logprobs=lp, token_ids=token_ids)],
+                                                **head, **extra))
+            lp = self._completion_logprobs(token_ids_all, lps, offsets[i]) if lps is not None else None
+            return _sse(CompletionChunk(choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish,
+                                                                  logprobs=lp, token_ids=token_ids)],
+                                        **head, **extra))
 
         m.in_flight.inc()
         try:
-            async with contextlib.aclosing(self._events(req)) as events:
-                async for ev in events:
+            async with contextlib.aclosing(self._choice_events(reqs)) as events:
+                async for i, ev in events:
                     if ev.get("error"):
                         yield _sse(APIError(int(ev.get("status", 500)), ev["error"], None, "engine_error").wire())
-                        finished = True
+                        finished_all = True
                         break
-                    ids = ev.get("token_ids", [])
-                    n_ids += len(ids)
-                    m.tokens(len(ids))
-                    tids = list(ids) if body.return_token_ids else None
+                    token_ids_all = ev.get("token_ids", [])
+                    n_ids[i] += len(token_ids_all)
+                    m.tokens(len(token_ids_all))
+                    tids = list(token_ids_all) if body.return_token_ids else None
+                    lps = (ev.get("logprobs") or []) if want_lp else None
                     named = None
-                    if first:  # the first chunk names the replica
-                        m.ttft.observe(time.monotonic() - t0)
-                        first = False
+                    if not started[i]:  # the first chunk of a choice names the replica
+                        if not any(started):
+                            m.ttft.observe(time.monotonic() - t0)
+                        started[i] = True
                         named = {"replica": ev.get("replica")}
                         if chat:
-                            yield chunk("", role=True, dspark=named)
+                            yield chunk(i, "", role=True, dspark=named)
                             named = None
+                    text = ev.get("text", "")
                     if ev.get("finished"):
-                        last, finished = ev, True
-                        prompt_ids = list(req["prompt_ids"]) if body.return_token_ids else None
-                        yield chunk(ev.get("text", ""), ev.get("finish_reason") or "stop", token_ids=tids,
+                        last[i] = ev
+                        prompt_ids = list(reqs[i]["prompt_ids"]) if body.return_token_ids else None
+                        yield chunk(i, text, ev.get("finish_reason") or "stop", token_ids=tids, lps=lps,
                                     dspark=self._dspark(ev, ev.get("replica")), prompt_token_ids=prompt_ids)
-                        break
-                    if ev.get("text") or tids or named:
-                        yield chunk(ev.get("text", ""), token_ids=tids, dspark=named)
-            if last is not None:
-                n_prompt = len(req["prompt_ids"])
-                m.finish(n_prompt, time.monotonic() - t0, last.get("stats"))
-                if body.include_usage:
-                    usage = Usage.of(n_prompt, last.get("completion_tokens", n_ids))
-                    kind = ChatCompletionChunk if chat else CompletionChunk
-                    yield _sse(kind(choices=[], usage=usage, **head))
+                        m.finish(len(reqs[i]["prompt_ids"]), time.monotonic() - t0, ev.get("stats"))
+                        if all(x is not None for x in last):
+                            finished_all = True
+                            break
+                    elif text or tids or named or lps:
+                        yield chunk(i, text, token_ids=tids, dspark=named, lps=lps)
+                    if lps is not None:
+                        offsets[i] += sum(len(self._token_text(t)) for t in token_ids_all)
+            if finished_all and all(x is not None for x in last) and body.include_usage:
+                usage = Usage.of(len(reqs[0]["prompt_ids"]),
+                                 sum(x.get("completion_tokens", k) for x, k in zip(last, n_ids)))
+                kind = ChatCompletionChunk if chat else CompletionChunk
+                yield _sse(kind(choices=[], usage=usage, **head))
             yield SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):
-            if not finished:
+            if not finished_all:
                 m.disconnects.inc()
             raise
         except Exception as e:

@@ -83,6 +83,11 @@ class ServeConfig:
     max_num_batched_tokens: int | None = field(default=256, metadata={
         "help": "target tokens per engine round (vLLM's name): the decoding requests first, then prompts in chunks "
                 "(a long prompt over several rounds while the others keep decoding), then verified drafts"})
+    prefill_slowdown: float | None = field(default=2.0, metadata={
+        "help": "while requests decode, a round's prompt chunk is at most what keeps the round within this factor "
+                "of the decode rows' own time on the replica's SPS table (at least 16 tokens): a long prompt "
+                "stretches the others' inter-token latency by at most this much; 0 = chunks up to "
+                "--max-num-batched-tokens"})
     kv_cache_gb: float = field(default=2.0, metadata={
         "help": "KV cache per replica (the paged cache of CPUs with AVX-512): requests that do not fit wait, "
                 "first come first served"})
@@ -170,6 +175,9 @@ class ServeConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_batch:
             raise PlanError(f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must exceed --max-batch "
                             f"({self.max_batch}): the decoding requests alone would use up every round")
+        if self.prefill_slowdown is not None and self.prefill_slowdown != 0 and self.prefill_slowdown <= 1.0:
+            raise PlanError(f"--prefill-slowdown must be > 1 (or 0: chunks up to --max-num-batched-tokens), got "
+                            f"{self.prefill_slowdown}")
         if not 0.0 <= self.shared_hardware <= 1.0:
             raise ValueError("shared_hardware must lie in [0, 1]")
         if self.engine == "vllm" and self.drafter is None and self.scheduler != "none":
@@ -255,7 +263,8 @@ class ServeConfig:
             shared_hardware=self.shared_hardware, token_budget=self.token_budget,
             draft_sample_method=self.draft_sample_method, model_name=self.served_model_name(target),
             stream_interval=self.stream_interval, init_timeout_s=self.replica_init_timeout_s, cache_dir=self.cache_dir,
-            max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_gb=self.kv_cache_gb)
+            max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_gb=self.kv_cache_gb,
+            prefill_slowdown=self.prefill_slowdown or None)
         return dataclasses.asdict(opts)
 
     def to_dict(self) -> dict:

@@ -10,8 +10,10 @@ and nesting deeper than a couple of hundred levels) and the model checks every f
 Field names follow the OpenAI API (plus the vLLM extras ``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``repetition_penalty`` and ``return_token_ids``).  ``null`` means "not given" for every top-level field.  A field this
 server does not honour is rejected by name instead of being silently ignored: an unknown top-level field (e.g.
-``tools``, ``response_format``, ``min_p``) is a 400, and so are values of known fields it does not implement (n > 1,
-best_of > 1, logprobs, echo, suffix, non-zero penalties, logit_bias, several prompts).
+``tools``, ``response_format``, ``min_p``) is a 400, and so are values of known fields it does not implement (best_of >
+1, echo, suffix, non-zero penalties, logit_bias, several prompts).  ``n`` (up to MAX_N) asks for independent choices
+(with a seed, choice i samples with seed + i); ``logprobs`` (completions: 0..MAX_LOGPROBS alternatives) and
+``logprobs`` + ``top_logprobs`` (chat) return the target's log-probabilities of the emitted tokens.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic_core import PydanticCustomError
 
 MAX_STOP = 4
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # alternatives per token (the engine's limit too)
 SEED_RANGE = 2 ** 63  # seeds lie in [-2^63, 2^63); the engine takes them modulo 2^63
 
 
@@ -212,7 +216,7 @@ class _GenerationRequest(BaseModel):
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[Integer, Field(ge=-1)] = 0  # vLLM: -1 or 0 = off
     seed: Annotated[Integer, Field(ge=-SEED_RANGE, lt=SEED_RANGE)] | None = None
-    n: Annotated[Integer, Field(ge=1), _neutral(1, "only 1 choice per request")] = 1
+    n: Annotated[Integer, Field(ge=1, le=MAX_N)] = 1
     best_of: Annotated[Integer, Field(ge=1), _neutral(1, "only 1")] = 1
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0), _neutral(0.0, "only 0")] = 0.0
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0), _neutral(0.0, "only 0")] = 0.0
@@ -264,9 +268,13 @@ class _GenerationRequest(BaseModel):
         """(field name, value) of the completion-length limit the client set, if any."""
         return ("max_tokens", self.max_tokens) if self.max_tokens is not None else None
 
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives per token the response carries log-probabilities for (None: no logprobs)."""
+        return None
+
     def engine_sampling(self) -> dict:
         """The sampling fields of an engine request (serve_app/replica.py)."""
-        return {"temperature": float(self.temperature), "top_p": float(self.top_p),
+        return {"temperature": float(self.temperature), "top_p": float(self.top_p), "logprobs": self.logprobs_wanted(),
                 "top_k": 0 if self.top_k == -1 else self.top_k,
                 "seed": None if self.seed is None else self.seed % SEED_RANGE,
                 "stop": [s for s in self.stop if s], "stop_token_ids": list(self.stop_token_ids),
@@ -275,9 +283,13 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt  # text, or token ids already checked against the vocabulary
-    logprobs: Annotated[StrictInt, _neutral(0, "no logprobs")] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Annotated[StrictBool, _neutral(False, "no echo")] = False
     suffix: Annotated[StrictStr, _neutral("", "no suffix")] | None = None
+
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -324,8 +336,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[Integer, Field(ge=1)] | None = None
-    logprobs: Annotated[StrictBool, _neutral(False, "no logprobs")] = False
-    top_logprobs: Annotated[StrictInt, _neutral(0, "no logprobs")] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("logprobs", False):
+            raise PydanticCustomError("invalid_value", "needs 'logprobs' set to true")
+        return v
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[str, int] | None:
         if self.max_completion_tokens is not None:  # the newer OpenAI name wins
@@ -349,10 +371,32 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: per token its text, log-probability, best alternatives and text offset."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()  # return_token_ids=true
     prompt_token_ids: list[int] | None = _omitted_if_none()
@@ -366,7 +410,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
     token_ids: list[int] | None = _omitted_if_none()
     prompt_token_ids: list[int] | None = _omitted_if_none()
@@ -405,7 +449,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = _omitted_if_none()
 

@@ -100,6 +100,7 @@ class ReplicaOptions:
     max_batch: int = 8  # concurrent requests in the engine; more wait in the replica queue
     max_model_len: int = 2048
     max_num_batched_tokens: int | None = 256  # target tokens per round: decode first, prompts in chunks, then drafts
+    prefill_slowdown: float | None = 2.0  # a prompt chunk beside decode rows slows their round at most this much
     kv_cache_gb: float = 2.0  # the paged KV cache's budget (all requests of the replica together)
     threads: int | None = None  # torch intra-op threads (None: leave as is)
     draft_sample_method: str = "probabilistic"
@@ -124,6 +125,9 @@ class ReplicaOptions:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_batch:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must exceed max_batch "
                              f"({self.max_batch}): the decoding requests alone would use up every round")
+        if self.prefill_slowdown is not None and self.prefill_slowdown <= 1.0:
+            raise ValueError(f"prefill_slowdown must be > 1 (or None: chunks up to the round's budget), got "
+                             f"{self.prefill_slowdown}")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.stream_interval < 1:
@@ -268,11 +272,17 @@ class EngineReplica:
                                                                              opts.token_budget)
         else:
             spec = SpecConfig(seed=opts.seed)
+        priced = opts.prefill_slowdown is not None and opts.max_num_batched_tokens is not None
+        if priced and self.cost_table is None:  # the prompt chunks are priced on the SPS table too
+            self.init_stage = "profiling the SPS cost table (or waiting for another replica's profile)"
+            self.cost_table, self.cost_path, _ = load_or_profile_cost_table(self.runner, opts.profile_spec(), 1)
         self.init_stage = "building the engine"
         eos = set(self.runner.config.eos_token_ids) | set(end_of_turn_ids(self.tokenizer))
         self.engine = SpeculativeEngine(self.runner, drafter, spec, tokenizer=self.tokenizer, eos_token_ids=eos,
                                         max_model_len=opts.max_model_len,
-                                        max_num_batched_tokens=opts.max_num_batched_tokens)
+                                        max_num_batched_tokens=opts.max_num_batched_tokens,
+                                        prefill_slowdown=opts.prefill_slowdown if priced else None,
+                                        round_cost=self.cost_table.step_time if priced else None)
 
     # ------------------------------------------------------------------------------------------- public methods
     async def generate(self, request: dict, _route: dict | None = None):
@@ -317,9 +327,11 @@ class EngineReplica:
         step_s = self._step_ema
         idle = self.engine.num_active() == 0 and not self._pending
         if (step_s is None or idle) and self.cost_table is not None:
-            # an idle replica's next round holds one request: its profiled t(1), not the EMA of its last busy
-            # rounds (a long prompt's prefill chunks would keep an idle replica looking slow to the router)
-            step_s = self.cost_table.step_time(1)
+            # an idle replica's next round holds one request: its profiled t(1) rather than the EMA of its last
+            # busy rounds (a long prompt's prefill chunks would keep an idle replica looking slow to the router),
+            # unless those were faster (a profile taken while something else had the cores)
+            t1 = self.cost_table.step_time(1)
+            step_s = t1 if step_s is None else min(step_s, t1)
         return {
             "replica": self.replica_id, "ts": now,
             "active": self.engine.num_active(), "queued": len(self._pending), "max_batch": self.opts.max_batch,
@@ -337,6 +349,8 @@ class EngineReplica:
             "live_cost": self.load_sched.live.to_dict() if self.load_sched is not None else {},
             "cost_scale": self.load_sched.live.scale if self.load_sched is not None else None,
             "skipped_drafts": self.engine.timers.skipped_drafts,
+            # of which the cost model's bound ruled out (no probe spent): drafting could not pay at that load
+            "model_skips": getattr(self.load_sched, "model_skips", 0),
         }
 
     async def stats(self) -> dict:
@@ -441,7 +455,8 @@ class EngineReplica:
                                         top_k=int(a.get("top_k") or 0), seed=a.get("seed"))
                 self.engine.add_request(list(a["prompt_ids"]), params, max_tokens=int(a.get("max_tokens") or 16),
                                         stop=a.get("stop") or None, stop_token_ids=a.get("stop_token_ids") or None,
-                                        ignore_eos=bool(a.get("ignore_eos", False)), request_id=lv.rid)
+                                        ignore_eos=bool(a.get("ignore_eos", False)), request_id=lv.rid,
+                                        logprobs=a.get("logprobs"))
             except Exception as e:  # bad arguments (the ingress validates; this is the last line of defence)
                 lv.finished = True
                 self._totals["rejected"] += 1
@@ -497,10 +512,12 @@ class EngineReplica:
             if not o.finished:
                 self._aborts.add(o.request_id)
             return
-        ids = lv.coalescer.add(o.new_ids, o.finished)
+        ids = lv.coalescer.add(o.new_ids, o.finished, o.new_logprobs)
         if ids is None:
             return  # coalesced into a later event
         ev = {"replica": self.replica_id, "token_ids": ids, "finished": o.finished}
+        if o.new_logprobs is not None:
+            ev["logprobs"] = lv.coalescer.sent_logprobs  # [(logprob, [(id, logprob)] * k)] per id
         if o.finished:
             text = o.text or ""
             ev["text"] = text[lv.sent_chars:]

@@ -72,7 +72,17 @@ def sampling_kwargs(request: dict) -> dict:
                 stop=[stop] if isinstance(stop, str) else list(stop),
                 stop_token_ids=list(request.get("stop_token_ids") or []),
                 ignore_eos=bool(request.get("ignore_eos", False)),
-                repetition_penalty=float(request.get("repetition_penalty") or 1.0))
+                repetition_penalty=float(request.get("repetition_penalty") or 1.0),
+                logprobs=request.get("logprobs"))
+
+
+def event_logprobs(ids: list, logprobs, k: int) -> list:
+    """vLLM's per-token {id: Logprob} dicts -> ours: [(logprob of the id, [(id, logprob)] * k best)] per id."""
+    out = []
+    for tid, d in zip(ids, logprobs or []):
+        best = sorted(((i, lp) for i, lp in d.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
+        out.append((float(d[tid].logprob), [(int(i), float(lp.logprob)) for i, lp in best[:k]]))
+    return out
 
 
 def spec_stats(metrics, completion_tokens: int) -> dict:
@@ -151,11 +161,15 @@ class VLLMEngineReplica:
                 n_out += len(ids)
                 self._account(len(ids))
                 unsent_text.append(c.text or "")
-                ids = coalescer.add(ids, out.finished)
+                lps = None if request.get("logprobs") is None else \
+                    event_logprobs(list(c.token_ids), c.logprobs, int(request["logprobs"]))
+                ids = coalescer.add(ids, out.finished, lps)
                 if ids is None:
                     continue
                 ev = {"replica": self.replica_id, "token_ids": ids, "text": "".join(unsent_text),
                       "finished": out.finished}
+                if lps is not None:
+                    ev["logprobs"] = coalescer.sent_logprobs
                 unsent_text = []
                 if out.finished:
                     finished = True

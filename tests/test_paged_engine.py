@@ -108,6 +108,50 @@ def test_chunked_prefill_gives_the_same_tokens(dtype):
     assert outs[None] == outs[24] == outs[9]
 
 
+def test_priced_prompt_chunks_bound_the_decoding_rounds():
+    """prefill_slowdown: beside 6 decoding requests a 300-token prompt is fed in chunks the cost model prices
+    within 3.1x of the decode rows' round (cost 10 ms + 1 ms per token: 6 rows -> 16 ms, 6 + 33 tokens -> 49 ms <=
+    49.6 ms); without it, in what the budget leaves; the tokens are the same either way."""
+    model = _tiny()
+    prompts = _prompts(6, seed=7)
+    long_prompt = _prompts(1, seed=8)[0] * 10
+    long_prompt = (long_prompt * (300 // len(long_prompt) + 1))[:300]
+    cost = lambda B: 0.010 + 0.001 * B  # noqa: E731
+    outs = {}
+    for slowdown in (None, 3.1):
+        runner = TargetRunner(model, "float32")
+        eng = SpeculativeEngine(runner, None, SpecConfig(), max_num_batched_tokens=128, prefill_slowdown=slowdown,
+                                round_cost=cost if slowdown else None)
+        fed = []  # (decode rows, prompt tokens) per forward
+        forward = runner.forward
+
+        def spy(slots, inputs, **kw):
+            fed.append((sum(1 for x in inputs if len(x) == 1), sum(len(x) for x in inputs if len(x) > 1)))
+            return forward(slots, inputs, **kw)
+
+        runner.forward = spy
+        ids = [eng.add_request(p, GREEDY, max_tokens=60, ignore_eos=True) for p in prompts]
+        while eng.waiting or not all(r.prefilled for r in eng.requests.values()):
+            eng.step()  # until the six are decoding
+        fed.clear()
+        ids.append(eng.add_request(long_prompt, GREEDY, max_tokens=4, ignore_eos=True))
+        done = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.output_ids
+        outs[slowdown] = [done[i] for i in ids]
+        chunks = [p for rows, p in fed if p > 1 and rows == 6]
+        if slowdown:
+            assert max(chunks) == 33 and sum(chunks) == 300
+        else:
+            assert max(chunks) == 122  # the budget less the six decode rows
+    assert outs[None] == outs[3.1]
+    with pytest.raises(ValueError, match="prefill_slowdown"):
+        SpeculativeEngine(TargetRunner(model, "float32"), None, SpecConfig(), max_num_batched_tokens=64,
+                          prefill_slowdown=2.0)
+
+
 @needs_invariant
 @pytest.mark.parametrize("scheduler", ["fixed", "hardware"])
 @pytest.mark.parametrize("budget", [None, 20])

@@ -387,13 +387,33 @@ def test_drafting_cost_enters_the_objective_and_the_draft_or_not_decision():
     assert s.live.draft_seconds(1) == pytest.approx(0.6) and s.live.scale == pytest.approx(1.0)
     assert s.schedule(half, [3]) == [3]  # 1.875 / 1.9 > 1.75 / 1.8 > 1.5 / 1.7
     assert s.last_gain == pytest.approx((1.875 / 1.9) / 1.0) and s.last_gain < 1
-    assert [s.draft_this_round(1) for _ in range(2)] == [False, True]  # skip, then probe
+    # even the best case (survival 0.5, 0.25, 0.125 at the measured 0.6 s) loses: skip, and no probe is spent
+    assert [s.draft_this_round(1) for _ in range(4)] == [False] * 4 and s.model_skips == 4
     # a live target twice as slow as the profile: the drafting cost weighs half as much -> drafting pays again
     for _ in range(40):
         s.observe_round(1, draft_s=0.6, target_tokens=3, target_s=2.4, round_s=3.0)
     assert s.live.scale == pytest.approx(2.0, rel=1e-3)
     s.schedule(half, [3])
     assert s.last_gain > 1 and s.draft_this_round(1)
+
+
+def test_cost_model_skips_drafting_where_it_cannot_pay_and_resumes_when_the_load_falls():
+    """A compute-bound machine: a round costs 10 ms per target token beyond 4 (a few tokens are nearly free, 16 are
+    not), drafting 5 ms.  At 16 requests even drafts as sure as the surest seen cannot pay: no drafting, no probe
+    rounds; at 2 requests they can, and the first round at that load drafts."""
+    ct = CostTable({1: 0.020, 4: 0.021, 8: 0.060, 16: 0.140, 32: 0.300, 64: 0.620, 128: 1.26})
+    s = Algorithm1(ct)
+    sure = Z([[0.9, 0.9, 0.9]] * 2)
+    assert s.draft_this_round(2) and not s.drafting_cannot_pay(2)  # nothing measured yet: draft and measure
+    s.schedule(sure, [3, 3])
+    s.observe_round(2, draft_s=0.005, target_tokens=8, target_s=ct.step_time(8), round_s=ct.step_time(8) + 0.005)
+    assert s.drafting_cannot_pay(16) and not s.drafting_cannot_pay(2)
+    assert [s.draft_this_round(16) for _ in range(100)] == [False] * 100  # no probe at 16 requests
+    assert s.model_skips == 100
+    assert s.draft_this_round(2)  # the load fell: drafting resumes at once
+    # the bound is an upper bound: with the budget the R bonus tokens leave no room, no drafting either
+    s.set_round(0, 17)
+    assert s.drafting_cannot_pay(16)
 
 
 def test_one_unpromising_round_does_not_stop_drafting():

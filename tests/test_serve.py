@@ -235,6 +235,104 @@ def test_chat_with_openai_client(server, reference):
     assert c.choices[0].text and c.usage.completion_tokens <= 5
 
 
+def test_logprobs_are_the_targets(server, target_dir):
+    """chat logprobs / top_logprobs and completions logprobs: the target's log-probabilities of the emitted tokens
+    (the replicas' precision, one full forward over prompt + output), streaming or not, with speculation on."""
+    import requests
+    import torch
+
+    from pipeline.engine.target_runner import TargetRunner, auto_precision
+
+    runner = TargetRunner.from_pretrained(str(target_dir), dtype=auto_precision("cpu"))
+
+    def reference(prompt_ids, out_ids):
+        slot = runner.alloc()
+        try:
+            o = runner.forward([slot], [list(prompt_ids) + list(out_ids[:-1])], logits_last=[len(out_ids)])
+            return torch.log_softmax(o.logits.float(), dim=-1)
+        finally:
+            runner.free(slot)
+
+    msgs = [{"role": "user", "content": "Count from one to ten in words."}]
+    for temperature in (0, 0.8):
+        body = {"model": server.model, "messages": msgs, "max_tokens": 12, "temperature": temperature, "seed": 3,
+                "logprobs": True, "top_logprobs": 3, "return_token_ids": True, "ignore_eos": True}
+        d = requests.post(server.url + "/chat/completions", json=body).json()
+        ch = d["choices"][0]
+        content, ids = ch["logprobs"]["content"], ch["token_ids"]
+        assert len(content) == len(ids) == d["usage"]["completion_tokens"] == 12
+        ref = reference(ch["prompt_token_ids"], ids)
+        for k, (entry, t) in enumerate(zip(content, ids)):
+            assert abs(entry["logprob"] - float(ref[k, t])) < 1e-4, (temperature, k, entry, float(ref[k, t]))
+            assert entry["bytes"] == list(entry["token"].encode())
+            tops = entry["top_logprobs"]
+            assert len(tops) == 3 and [x["logprob"] for x in tops] == sorted((x["logprob"] for x in tops),
+                                                                             reverse=True)
+            assert abs(tops[0]["logprob"] - float(ref[k].max())) < 1e-4
+        if temperature == 0:
+            assert [x["top_logprobs"][0]["token"] for x in content] == [x["token"] for x in content]
+            streamed = _sse_events(requests.post(server.url + "/chat/completions", stream=True,
+                                                 json=dict(body, stream=True)))
+            got = [x for e in streamed if e["choices"] and e["choices"][0].get("logprobs")
+                   for x in e["choices"][0]["logprobs"]["content"]]
+            assert [x["logprob"] for x in got] == [x["logprob"] for x in content]
+    # legacy completions: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset
+    body = {"model": server.model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "logprobs": 2, "return_token_ids": True, "ignore_eos": True}
+    ch = requests.post(server.url + "/completions", json=body).json()["choices"][0]
+    lp, ids = ch["logprobs"], ch["token_ids"]
+    ref = reference(ch["prompt_token_ids"], ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) == 6
+    assert all(abs(v - float(ref[k, t])) < 1e-4 for k, (v, t) in enumerate(zip(lp["token_logprobs"], ids)))
+    assert all(len(x) <= 2 for x in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(6)]
+    assert requests.post(server.url + "/completions", json=dict(body, logprobs=None)).json()["choices"][0][
+        "logprobs"] is None
+
+
+def test_an_8000_token_prompt_is_served(server, reference):
+    """The target's whole context: a prompt of 8,000 tokens is prefilled (in chunks) and answered (chunked prefill
+    gives the unchunked greedy output: tests/test_paged_engine.py)."""
+    import requests
+
+    words = "The quick brown fox jumps over the lazy dog. " * 900
+    ids = reference.tok.encode(words)[:8000]
+    r = requests.post(server.url + "/completions", json={"model": server.model, "prompt": ids, "max_tokens": 4,
+                                                         "temperature": 0, "return_token_ids": True}, timeout=600)
+    assert r.status_code == 200, r.text[:300]
+    d = r.json()
+    assert d["usage"]["prompt_tokens"] == 8000 and 1 <= d["usage"]["completion_tokens"] <= 4
+
+
+def test_n_choices_are_independent_and_reproducible(server):
+    import requests
+
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 11,
+            "n": 3, "ignore_eos": True, "return_token_ids": True}
+    a = requests.post(server.url + "/completions", json=body).json()
+    b = requests.post(server.url + "/completions", json=body).json()
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    ids = [c["token_ids"] for c in a["choices"]]
+    assert ids == [c["token_ids"] for c in b["choices"]]  # the same seed, the same choices
+    assert len({tuple(x) for x in ids}) > 1  # independent samples (seed + i per choice)
+    assert a["usage"]["completion_tokens"] == 24 and a["usage"]["prompt_tokens"] == len(a["choices"][0][
+        "prompt_token_ids"])
+    one = requests.post(server.url + "/completions", json=dict(body, n=1, seed=12)).json()
+    assert one["choices"][0]["token_ids"] == ids[1]  # choice 1 samples with seed + 1
+    # streamed chat: every choice streams under its index, finishes once, usage sums the choices
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "n": 2,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    evs = _sse_events(requests.post(server.url + "/chat/completions", json=chat, stream=True))
+    text = {0: "", 1: ""}
+    fin = {0: 0, 1: 0}
+    for e in evs:
+        for c in e["choices"]:
+            text[c["index"]] += c["delta"].get("content") or ""
+            fin[c["index"]] += c["finish_reason"] is not None
+    assert fin == {0: 1, 1: 1} and text[0] == text[1] and text[0]  # greedy: both choices alike
+    assert evs[-1]["usage"]["completion_tokens"] == 10
+
+
 def test_concurrent_greedy_equals_target(server, reference):
     import openai
 
@@ -286,9 +384,11 @@ BAD = [
     ("/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400),
     ("/completions", {"model": "M", "prompt": "hi", "top_k": "x"}, 400),
     ("/completions", {"model": "M", "prompt": "hi", "stream": "yes"}, 400),
-    ("/completions", {"model": "M", "prompt": "hi", "n": 2}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "n": 17}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "n": 0}, 400),
     ("/completions", {"model": "M", "prompt": "hi", "stop": 5}, 400),
-    ("/completions", {"model": "M", "prompt": "hi", "logprobs": 5}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "logprobs": 21}, 400),
+    ("/completions", {"model": "M", "prompt": "hi", "logprobs": True}, 400),
     ("/completions", {"model": "M", "prompt": "hi", "stream_options": {"include_usage": True}}, 400),
     ("/completions", {"model": "M", "prompt": "word " * 9000, "max_tokens": 4}, 400),  # over the 8,192 context
     ("/chat/completions", {"model": "M"}, 400),  # missing messages
@@ -359,7 +459,12 @@ NAMED = [
     ("/completions", {"model": "M", "prompt": "hi", "max_tokens": True}, 400, "max_tokens", "integer"),
     ("/completions", {"model": "M", "prompt": "hi", "stop": ["a", 3]}, 400, "stop[1]", "string"),
     ("/completions", {"model": "M", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
-    ("/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n", "not supported"),
+    ("/completions", {"model": "M", "prompt": "hi", "n": 17}, 400, "n", "<= 16"),
+    ("/completions", {"model": "M", "prompt": "hi", "best_of": 2}, 400, "best_of", "not supported"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "needs 'logprobs'"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                           "top_logprobs": 21}, 400, "top_logprobs", "<= 20"),
     ("/completions", {"model": "no-such-model", "prompt": "hi", "temperature": 9}, 404, "model", "no-such-model"),
     ("/completions", {"prompt": "hi"}, 400, "model", "you must provide a 'model' parameter"),
     ("/completions", {"model": "M", "prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, 400,
@@ -397,6 +502,7 @@ def test_router_prefers_idle_replica_and_disconnect_aborts(server):
     import requests
     from prometheus_client.parser import text_string_to_metric_families
 
+    time.sleep(2.0)  # both replicas idle, their load reports fresh (routing_stats_period_s 0.5), before it starts
     long_body = {"model": server.model, "messages": [{"role": "user", "content": "Tell me a long story."}],
                  "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
     long = requests.post(server.url + "/chat/completions", json=long_body, stream=True, timeout=120)

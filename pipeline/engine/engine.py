@@ -37,7 +37,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -150,6 +150,9 @@ class RequestOutput:
     stop_reason: int | str | None  # the EOS id or stop string that ended the request
     text: str | None  # decoded output (stop string excluded) once finished, when a tokenizer is set
     stats: RequestStats
+    # with logprobs=k: one (logprob, [(id, logprob)] * k best) per id of new_ids, the target's log-softmax of its raw
+    # logits (before temperature / top-k / top-p) at that position; None without
+    new_logprobs: list | None = None
 
 
 @dataclass
@@ -161,6 +164,7 @@ class _Request:
     stop: list
     stop_ids: frozenset
     generator: torch.Generator | None
+    logprobs: int | None = None  # top log-probabilities to return per token (0: the chosen token's only)
     slot: int = -1
     draft_state: object = None
     pending_ctx: list = field(default_factory=list)  # [(aux [n, k·d], start position)] not yet in draft_state
@@ -256,13 +260,24 @@ def drafter_config(drafter):
 class SpeculativeEngine:
     def __init__(self, target_runner, drafter=None, spec_config: SpecConfig | dict | None = None, tokenizer=None,
                  eos_token_ids: Iterable[int] | None = None, max_model_len: int | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, prefill_slowdown: float | None = None,
+                 round_cost: Callable[[int], float] | None = None):
         """max_num_batched_tokens: the most target tokens one round's forward takes (vLLM's name): the decoding
         requests' tokens first, then prompts in chunks, then verified drafts in what is left.  None: no cap (every
-        prompt prefilled whole in its first round)."""
+        prompt prefilled whole in its first round).
+
+        prefill_slowdown (with round_cost: B target tokens -> seconds of a forward, e.g. the SPS table's step_time):
+        while requests decode, a round's prompt chunk is at most what keeps its predicted forward within this
+        factor of the decode rows' own (at least MIN_PREFILL_CHUNK tokens, so prompts always move): a long prompt
+        arriving beside streaming requests stretches their inter-token latency by at most that factor."""
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if prefill_slowdown is not None and (prefill_slowdown <= 1.0 or round_cost is None):
+            raise ValueError(f"prefill_slowdown must be > 1 and come with a round_cost, got {prefill_slowdown}")
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_slowdown = prefill_slowdown
+        self.round_cost = round_cost
+        self._chunk_caps: dict[int, int] = {}  # decode rows -> the priced prompt chunk
         self.target = target_runner
         self.spec = spec_config if isinstance(spec_config, SpecConfig) else SpecConfig.from_dict(spec_config)
         if drafter is None and self.spec.method is not None:
@@ -322,10 +337,11 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ request management
     def add_request(self, prompt, params: SamplingParams | None = None, max_tokens: int = 16,
                     stop: Sequence[str] | str | None = None, stop_token_ids: Iterable[int] | None = None,
-                    ignore_eos: bool = False, request_id: str | None = None) -> str:
+                    ignore_eos: bool = False, request_id: str | None = None, logprobs: int | None = None) -> str:
         """Queue a request (prefilled at the next ``step``).  ``prompt``: token ids, or a string (needs a tokenizer).
         EOS ids (engine's, unless ignore_eos) and ``stop_token_ids`` end the request with the id kept in output_ids;
-        ``stop`` strings end it with the string cut from ``text``."""
+        ``stop`` strings end it with the string cut from ``text``.  ``logprobs`` = k >= 0: every output carries the
+        target's log-probability of each new token and its k most likely alternatives (``new_logprobs``)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -338,6 +354,8 @@ class SpeculativeEngine:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.max_model_len}")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if logprobs is not None and not 0 <= int(logprobs) <= self.MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {logprobs}")
         stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         if stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -348,6 +366,7 @@ class SpeculativeEngine:
         ids |= {int(t) for t in (stop_token_ids or [])}
         gen = torch.Generator().manual_seed(int(params.seed)) if params.seed is not None else None
         req = _Request(rid, prompt, params, int(max_tokens), stop, frozenset(ids), gen,
+                       logprobs=None if logprobs is None else int(logprobs),
                        stop_window=(4 * max(len(s) for s in stop) + 4) if stop else 0,
                        stats=RequestStats(num_speculative_tokens=self.num_speculative_tokens,
                                           verified_at=[0] * self.num_speculative_tokens,
@@ -470,6 +489,8 @@ class SpeculativeEngine:
         left = budget - num_decode
         if num_decode == 0:
             left = max(left, 1)  # nothing else runs: a prompt always moves
+        elif self.prefill_slowdown is not None:
+            left = min(left, self._priced_chunk(num_decode))
         out, chunks = [], []
         for r in prefilling:
             if left <= 0:
@@ -479,6 +500,24 @@ class SpeculativeEngine:
             chunks.append(n)
             left -= n
         return out, chunks
+
+    MIN_PREFILL_CHUNK = 16
+
+    def _priced_chunk(self, num_decode: int) -> int:
+        """The most prompt tokens beside ``num_decode`` decode rows whose forward the cost model prices within
+        ``prefill_slowdown`` x the decode rows' alone (never fewer than MIN_PREFILL_CHUNK)."""
+        c = self._chunk_caps.get(num_decode)
+        if c is None:
+            limit = self.prefill_slowdown * self.round_cost(num_decode)
+            lo, hi = 0, max(0, self.max_num_batched_tokens - num_decode)
+            while lo < hi:  # the largest c in [0, hi] with cost(num_decode + c) <= limit (cost grows with tokens)
+                mid = (lo + hi + 1) // 2
+                if self.round_cost(num_decode + mid) <= limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            c = self._chunk_caps[num_decode] = max(lo, self.MIN_PREFILL_CHUNK)
+        return c
 
     def _plan_depths(self, batch: RoundBatch) -> None:
         """Depth caps (remaining budget, cache room), the drafting decision, the proposal and the scheduler's L_r."""
@@ -606,6 +645,7 @@ class SpeculativeEngine:
                                            "conf": batch.round_conf.get(r.request_id)})
                 emitted = self._append(r, toks)
                 st.emitted += len(emitted)
+            lps = self._logprobs(r, out.logits_of(i), emitted) if r.logprobs is not None and emitted else None
             if r.finished:
                 self._release(r)
                 del self.requests[r.request_id]
@@ -617,8 +657,24 @@ class SpeculativeEngine:
                 if self.drafter is not None:  # the drafter's context follows lazily (_flush_context)
                     aux = out.aux_of(i)
                     r.pending_ctx.append(((aux if is_prefill else aux[:m + 1]).clone(), n))
-            outputs.append(self._output(r, emitted))
+            outputs.append(self._output(r, emitted, lps))
         return outputs
+
+    MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+
+    @staticmethod
+    def _logprobs(r: _Request, logits: torch.Tensor, emitted: list) -> list:
+        """The target's log-probabilities of the emitted tokens: row k of this request's logits predicted emitted[k]
+        (an accepted draft token or the bonus / corrected one alike)."""
+        lp = torch.log_softmax(logits[:len(emitted)].float(), dim=-1)  # [n, V]
+        ids = torch.tensor(emitted, dtype=torch.long)
+        chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+        if r.logprobs:
+            top_v, top_i = lp.topk(r.logprobs, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+        else:
+            tops = [[] for _ in emitted]
+        return list(zip(chosen, tops))
 
     MAX_PENDING_CONTEXT = 32  # rounds of verified tokens a request may hold before its drafter context is extended
 
@@ -714,7 +770,7 @@ class SpeculativeEngine:
                 return s
         return None
 
-    def _output(self, r: _Request, new_ids: list) -> RequestOutput:
+    def _output(self, r: _Request, new_ids: list, new_logprobs: list | None = None) -> RequestOutput:
         text = None
         if r.finished and self.tokenizer is not None:
             text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
@@ -724,7 +780,8 @@ class SpeculativeEngine:
                     text = text[:k]
             r.text = text
         return RequestOutput(r.request_id, r.prompt_ids, list(r.output_ids), list(new_ids), r.finished,
-                             r.finish_reason, r.stop_reason, text, r.stats)
+                             r.finish_reason, r.stop_reason, text, r.stats,
+                             (new_logprobs or []) if r.logprobs is not None else None)
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: Sequence, params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -288,6 +288,12 @@ class _SharedHardware:
       ``max_skip``), so an idle drafter costs ~draft(R)/max_skip per round; when the batch halves from the largest
       one seen while idle, the next round probes at once (the load fell).  The decision uses past rounds only:
       lossless.
+    * Whether drafting CAN pay at all, before any probe: the most a drafted round of R requests could give, with
+      every request as sure of its drafts as the surest request of the recent drafted rounds (``best_survival``,
+      per position) and the measured drafting cost, against a plain round (``drafting_cannot_pay``).  Where even
+      that bound loses (a busy machine: a few more tokens per request cost nearly their full price), the round
+      skips drafting without a probe; the bound rises as the load falls, so drafting resumes the first round it
+      could pay.
     """
 
     base_tokens: int = 0
@@ -316,6 +322,8 @@ class _SharedHardware:
         self._round_acceptance = (0, 0)  # (verified, accepted) of this round, from observe_acceptance
         self._idle_requests = 0  # the most requests a round had while drafting did not pay
         self.last_gain = None  # Θ(drafted) / Θ(plain) of the last drafted round
+        self.best_survival = None  # [γ] EMA over drafted rounds of the highest survival a_{r,j} at each position j
+        self.model_skips = 0  # rounds the bound said drafting could not pay (no probe spent)
 
     def set_load(self, base_tokens: int, base_tau: float) -> None:
         self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
@@ -350,7 +358,37 @@ class _SharedHardware:
         if self.online is not None:
             a = self.online.apply(a)
         self._last_a = a
+        if a.numel():
+            top = a.max(dim=0).values.double()
+            if self.best_survival is None or self.best_survival.numel() != top.numel():
+                self.best_survival = top
+            else:
+                self.best_survival = self.best_survival + self.BEST_SURVIVAL_EMA * (top - self.best_survival)
         return a
+
+    BEST_SURVIVAL_EMA = 0.1
+
+    def drafting_cannot_pay(self, num_requests: int) -> bool:
+        """True when even the best case -- each of the R requests as sure of its drafts as the surest request of
+        the recent drafted rounds, admitted greedily at any depth -- gives fewer tokens per second than a plain
+        round, at the measured drafting cost and this round's load.  False while nothing is known (no drafted
+        round yet, or no drafting cost measured): a round drafts and measures."""
+        R = int(num_requests)
+        if self.best_survival is None or not self.live.draft or R < 1:
+            return False
+        plain = (self.base_tau + R) / self._round_seconds(R, False)(R)
+        drafted = self._round_seconds(R, True)
+        cap = self._cap()
+        tau, B = float(R), R
+        for v in self.best_survival.tolist():  # position by position: R candidates of survival v each
+            for _ in range(R):
+                B += 1
+                if cap is not None and B > cap:
+                    return True
+                tau += v
+                if (self.base_tau + tau) / drafted(B) > plain:
+                    return False
+        return True
 
     def _round_seconds(self, R: int, drafted: bool):
         """B (this batch's target tokens) -> seconds of one round, drafted or not."""
@@ -379,9 +417,13 @@ class _SharedHardware:
         return cap is None or cap > num_requests
 
     def _draft_unless_idle(self, num_requests: int, idle: bool) -> bool:
-        """The drafting decision both schedulers share: never when the R bonus tokens alone use up the budget;
-        while the past rounds say drafting does not pay, skip, with probe rounds at growing intervals."""
+        """The drafting decision both schedulers share: never when the R bonus tokens alone use up the budget or
+        when the cost model's best case cannot pay; while the past rounds say drafting does not pay, skip, with
+        probe rounds at growing intervals."""
         if not self._budget_left(num_requests):
+            return False
+        if self.drafting_cannot_pay(num_requests):
+            self.model_skips += 1
             return False
         if not idle or self.refresh_every == 1 or 2 * num_requests <= self._idle_requests:
             # drafting pays, no back-off, or the batch halved since the round that said no: look again now
@@ -398,6 +440,7 @@ class _SharedHardware:
     def _reset_shared(self):
         self._skipped, self._skip_len, self._idle = 0, self.refresh_every - 1, False
         self._round_acceptance, self._idle_requests = (0, 0), 0
+        self.best_survival, self.model_skips = None, 0
 
 
 class Algorithm1(_SharedHardware, VerificationScheduler):
