@@ -169,7 +169,9 @@ def test_invariant_speculation_equals_plain_decoding(scheduler, budget):
     spec = SpeculativeEngine(target, drafter, SpecConfig(method="dspark", scheduler=sched, seed=1),
                              max_num_batched_tokens=budget)
     got = [o.output_ids for o in spec.generate(prompts, GREEDY, max_tokens=40, ignore_eos=True)]
-    assert spec.finished_stats.accepted > (100 if scheduler == "fixed" else 20)  # good drafts: deep rows verified
+    # good drafts: deep rows verified; the load-aware scheduler under a 20-token budget drafts only while it has
+    # not yet measured that a drafter as large as this target cannot pay there (drafting_cannot_pay)
+    assert spec.finished_stats.accepted > (100 if scheduler == "fixed" else 20 if budget is None else 0)
     assert got == ref
 
 

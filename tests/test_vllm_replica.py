@@ -100,3 +100,20 @@ def test_closed_stream_aborts_and_bad_request(replica, loop, prompt_ids):
     assert not first["finished"]
     assert st["active"] == 0 and st["totals"].get("aborted", 0) == before.get("aborted", 0) + 1
     assert len(bad) == 1 and bad[0]["status"] == 400 and bad[0]["finished"] and "temperature" in bad[0]["error"]
+
+
+def test_logprobs_are_the_targets(replica, loop, prompt_ids, target_dir):
+    """logprobs=k through vLLM: every event carries (logprob, k best) per token id, transformers' log-softmax."""
+    req = {"prompt_ids": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+           "logprobs": 2, "request_id": "lp"}
+    evs = loop.run_until_complete(_collect(replica, req))
+    ids = sum((ev["token_ids"] for ev in evs), [])
+    lps = sum((ev["logprobs"] for ev in evs), [])
+    assert len(lps) == len(ids) == MAX_TOKENS
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids[:-1]])).logits[0, len(prompt_ids) - 1:]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for k, (t, (lp, alts)) in enumerate(zip(ids, lps)):
+        assert abs(lp - float(ref[k, t])) < 1e-3, (k, lp, float(ref[k, t]))
+        assert len(alts) == 2 and alts[0][0] == t  # greedy: the chosen token is the best
