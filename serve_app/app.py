@@ -83,11 +83,11 @@ class ServeConfig:
     max_num_batched_tokens: int | None = field(default=256, metadata={
         "help": "target tokens per engine round (vLLM's name): the decoding requests first, then prompts in chunks "
                 "(a long prompt over several rounds while the others keep decoding), then verified drafts"})
-    prefill_slowdown: float | None = field(default=2.0, metadata={
-        "help": "while requests decode, a round's prompt chunk is at most what keeps the round within this factor "
-                "of the decode rows' own time on the replica's SPS table (at least 16 tokens): a long prompt "
-                "stretches the others' inter-token latency by at most this much; 0 = chunks up to "
-                "--max-num-batched-tokens"})
+    prefill_slowdown: float | None = field(default=0.0, metadata={
+        "help": "x > 1: while requests decode, a round's prompt chunk is at most what keeps the round within x times "
+                "the decode rows' own time on the replica's SPS table (at least 16 tokens), so a long prompt "
+                "stretches the others' inter-token latency by at most x, at the price of its own and of bursts' "
+                "time to first token; 0 (default) = chunks up to --max-num-batched-tokens"})
     kv_cache_gb: float = field(default=2.0, metadata={
         "help": "KV cache per replica (the paged cache of CPUs with AVX-512): requests that do not fit wait, "
                 "first come first served"})

@@ -165,6 +165,17 @@ def _neutral(value, what: str | None = None):
     return AfterValidator(check)
 
 
+def _only_if(flag: str, message: str):
+    """A field validator: the field may be given only when the boolean field ``flag`` (declared before it) is true."""
+
+    def check(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get(flag, False):
+            raise PydanticCustomError("invalid_value", message)
+        return v
+
+    return check
+
+
 def _stop_list(v):
     if isinstance(v, str):
         return [v]
@@ -245,12 +256,7 @@ class _GenerationRequest(BaseModel):
                                                          "{ids}", {"model": _show(v), "ids": sorted(ids)})
         return v
 
-    @field_validator("stream_options")
-    @classmethod
-    def _only_when_streaming(cls, v, info: ValidationInfo):
-        if v is not None and not info.data.get("stream", False):
-            raise PydanticCustomError("invalid_value", "is only allowed when 'stream' is true")
-        return v
+    _only_when_streaming = field_validator("stream_options")(_only_if("stream", "is only allowed when 'stream' is true"))
 
     @classmethod
     def parse_body(cls, raw: bytes, *, model_ids=None, vocab_size: int | None = None):
@@ -339,12 +345,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _needs_logprobs(cls, v, info: ValidationInfo):
-        if v is not None and not info.data.get("logprobs", False):
-            raise PydanticCustomError("invalid_value", "needs 'logprobs' set to true")
-        return v
+    _needs_logprobs = field_validator("top_logprobs")(_only_if("logprobs", "needs 'logprobs' set to true"))
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -100,7 +100,7 @@ class ReplicaOptions:
     max_batch: int = 8  # concurrent requests in the engine; more wait in the replica queue
     max_model_len: int = 2048
     max_num_batched_tokens: int | None = 256  # target tokens per round: decode first, prompts in chunks, then drafts
-    prefill_slowdown: float | None = 2.0  # a prompt chunk beside decode rows slows their round at most this much
+    prefill_slowdown: float | None = None  # x: a prompt chunk beside decode rows slows their round at most x times
     kv_cache_gb: float = 2.0  # the paged KV cache's budget (all requests of the replica together)
     threads: int | None = None  # torch intra-op threads (None: leave as is)
     draft_sample_method: str = "probabilistic"
@@ -334,6 +334,7 @@ class EngineReplica:
             step_s = t1 if step_s is None else min(step_s, t1)
         return {
             "replica": self.replica_id, "ts": now,
+            "dtype": f"{str(self.runner.dtype).removeprefix('torch.')}:{self.runner.linear_backend}",
             "active": self.engine.num_active(), "queued": len(self._pending), "max_batch": self.opts.max_batch,
             "tokens_last_round": self._tokens_last_round if rec else 0,
             "step_s": step_s, "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "busy_fraction": busy / 5.0,

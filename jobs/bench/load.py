@@ -72,6 +72,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--dtype", default="auto", help="the native systems' --dtype (jobs.serve's default: auto)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prefill-slowdown", type=float, default=0.0,
+                   help="the native systems' --prefill-slowdown (0: prompt chunks up to the round's token budget)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed event after the first, for every system alike (jobs.serve "
                         "--stream-interval)")
@@ -421,7 +423,8 @@ def run(args, harness) -> dict:
         for label, fields in deployments.items():  # side by side: one application per system
             cfg = ServeConfig(target=target, replicas=args.replicas, port=args.port, num_speculative_tokens=args.num_speculative_tokens,
                               max_batch=args.max_batch, threads=args.threads, model_name="m",
-                              stream_interval=args.stream_interval, **fields)
+                              stream_interval=args.stream_interval, prefill_slowdown=args.prefill_slowdown,
+                              **fields)
             t0 = time.time()
             serve.run(build_app(cfg), name=label, route_prefix=f"/{label}", blocking=False)
             asyncio.run(run_level(f"{base}/{label}/v1", "m", 1, 1, args, deadline))  # warm-up

@@ -129,6 +129,8 @@ class LiveRoundCost:
         self.min_gain_rounds = int(min_gain_rounds)
         self.loss_margin = float(loss_margin)
         self.draft: dict = {}
+        self.draft_best: dict = {}  # R -> the fastest drafting round of R requests seen (the best case)
+        self.drafted_rounds = 0
         self.overhead_s = 0.0
         self.scale = 1.0
         self.rounds = 0
@@ -157,6 +159,8 @@ class LiveRoundCost:
                     v[i] += w * (x - v[i])
         if num_drafted > 0 and draft_s > 0:
             self.draft[int(num_drafted)] = self._ema(self.draft.get(int(num_drafted)), float(draft_s))
+            self.draft_best[int(num_drafted)] = min(self.draft_best.get(int(num_drafted), math.inf), float(draft_s))
+            self.drafted_rounds += 1
         if target_tokens > 0 and target_s > 0:
             ratio = min(10.0, max(0.1, target_s / cost.step_time(int(target_tokens))))
             self.scale = self._ema(self.scale if self.rounds else None, ratio)
@@ -180,19 +184,22 @@ class LiveRoundCost:
         v = self._verifying.get(gain_bucket(R))
         return None if v is None else v[1] * v[3] / v[2]
 
-    def draft_seconds(self, R: int) -> float:
-        if not self.draft:
+    def draft_seconds(self, R: int, best: bool = False) -> float:
+        """Seconds of a drafting round of R requests (EMA per R, interpolated); best: the fastest seen instead (a
+        request's first drafting round also feeds its whole prompt to the drafter, once)."""
+        table = self.draft_best if best else self.draft
+        if not table:
             return 0.0
-        if R in self.draft:
-            return self.draft[R]
-        ks = sorted(self.draft)
+        if R in table:
+            return table[R]
+        ks = sorted(table)
         if R <= ks[0]:
-            return self.draft[ks[0]]
+            return table[ks[0]]
         if R >= ks[-1]:
-            return self.draft[ks[-1]]
+            return table[ks[-1]]
         hi = next(k for k in ks if k > R)
         lo = max(k for k in ks if k < R)
-        return self.draft[lo] + (self.draft[hi] - self.draft[lo]) * (R - lo) / (hi - lo)
+        return table[lo] + (table[hi] - table[lo]) * (R - lo) / (hi - lo)
 
     def to_dict(self) -> dict:
         return {"draft_s": {str(k): round(v, 5) for k, v in sorted(self.draft.items())},
@@ -367,17 +374,19 @@ class _SharedHardware:
         return a
 
     BEST_SURVIVAL_EMA = 0.1
+    GATE_MIN_ROUNDS = 4  # drafting rounds measured before the bound may rule drafting out
 
     def drafting_cannot_pay(self, num_requests: int) -> bool:
         """True when even the best case -- each of the R requests as sure of its drafts as the surest request of
         the recent drafted rounds, admitted greedily at any depth -- gives fewer tokens per second than a plain
         round, at the measured drafting cost and this round's load.  False while nothing is known (no drafted
-        round yet, or no drafting cost measured): a round drafts and measures."""
+        round yet, or fewer than GATE_MIN_ROUNDS drafting rounds measured): a round drafts and measures.  The
+        drafting cost is the fastest seen, as a best case should be."""
         R = int(num_requests)
-        if self.best_survival is None or not self.live.draft or R < 1:
+        if self.best_survival is None or self.live.drafted_rounds < self.GATE_MIN_ROUNDS or R < 1:
             return False
         plain = (self.base_tau + R) / self._round_seconds(R, False)(R)
-        drafted = self._round_seconds(R, True)
+        drafted = self._round_seconds(R, True, best_case=True)
         cap = self._cap()
         tau, B = float(R), R
         for v in self.best_survival.tolist():  # position by position: R candidates of survival v each
@@ -390,12 +399,13 @@ class _SharedHardware:
                     return False
         return True
 
-    def _round_seconds(self, R: int, drafted: bool):
-        """B (this batch's target tokens) -> seconds of one round, drafted or not."""
+    def _round_seconds(self, R: int, drafted: bool, best_case: bool = False):
+        """B (this batch's target tokens) -> seconds of one round, drafted or not (best_case: at the fastest
+        drafting round seen)."""
         lv = self.live
         if not drafted:
             return lambda B: lv.scale * self.cost.step_time(self._base() + B) + lv.overhead_s
-        extra = lv.overhead_s + lv.draft_seconds(R)
+        extra = lv.overhead_s + lv.draft_seconds(R, best=best_case)
         return lambda B: lv.scale * self.cost.verify_time(self._base() + B) + extra
 
     def _search(self, a: torch.Tensor, early_stop: bool):

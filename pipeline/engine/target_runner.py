@@ -278,10 +278,12 @@ DEFAULT_KV_CACHE_TOKENS = 1 << 16  # the paged cache's default budget: 65,536 to
 
 def auto_precision(device: str | torch.device = "cpu", hidden_size: int = 576) -> str:
     """The precision string of ``--dtype auto`` for this engine: ``bfloat16:invariant`` on a CPU where its kernels
-    run (AVX-512) and bf16 weights beat the fp32 layouts at 1 and 8 rows (measured once per process), else
-    ``float32`` (its linear back end chosen by measurement too)."""
+    run (AVX-512: the bf16 linear and the paged attention), else ``float32`` (its linear back end chosen by
+    measurement).  Not a timing decision: a micro-benchmark on one cache-resident weight flips with the machine's
+    noise, while whole forwards, which stream every weight from memory, favour half the bytes (measurements:
+    docs/results/speed_single_stream.md), and every replica of a deployment must resolve alike."""
     if (torch.device(device).type == "cpu" and paged_attention_available()
-            and pl.bf16_kernel_wins_few_rows(hidden_size)):
+            and bf16_linear.available() and hidden_size % 16 == 0):
         return "bfloat16:invariant"
     return "float32"
 

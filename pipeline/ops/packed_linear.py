@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.ops import bf16_linear, small_m_linear
+from pipeline.ops import small_m_linear
 from pipeline.core.runtime import cpu_has_native_bf16
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the packed layout for; any row count works
@@ -135,35 +135,6 @@ def kernel_wins_few_rows(d: int = 576, rows=(1, 8), reps: int = 15) -> bool:
             wins = wins and t_kernel < t_packed
         _KERNEL_WINS[d] = wins
     return _KERNEL_WINS[d]
-
-
-_BF16_WINS: dict = {}  # hidden size -> whether the bf16-weight kernel beat the fp32 layouts (this process)
-
-
-def bf16_kernel_wins_few_rows(d: int = 576, rows=(1, 8), reps: int = 15) -> bool:
-    """Whether pipeline/ops/bf16_linear.py's kernel (bf16 weights) beats the faster of the fp32 layouts (oneDNN
-    packed, and the small-M kernel where it runs) for a [4d, d] weight at every row count of ``rows`` on this CPU
-    (False where it is unavailable): measured once per process and hidden size, interleaved, medians.  Few-row
-    products stream the weights, so half the bytes usually win (measurements: docs/results/speed_single_stream.md)."""
-    if d not in _BF16_WINS:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(4 * d, d, generator=g)
-        wb = w.bfloat16()
-        if not bf16_linear.usable(wb):
-            _BF16_WINS[d] = False
-            return False
-        pw = PackedWeight(w, None, True, 0)
-        wins = True
-        for r in rows:
-            x = torch.randn(r, d, generator=g)
-            fp32 = [lambda: [packed_linear(x, pw.packed, None) for _ in range(8)]]
-            if small_m_linear.usable(w):
-                fp32.append(lambda: [small_m_linear.linear(x, w) for _ in range(8)])
-            for f in fp32:
-                t_fp32, t_bf16 = _interleaved_medians(f, lambda: [bf16_linear.linear(x, wb) for _ in range(8)], reps)
-                wins = wins and t_bf16 < t_fp32
-        _BF16_WINS[d] = wins
-    return _BF16_WINS[d]
 
 
 def tune_flinear_rows(groups: dict[str, list[PackedWeight]], rows=(1, 2, 4, 8, 16), reps: int = 5) -> dict[str, int]:
