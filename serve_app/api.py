@@ -376,14 +376,18 @@ class OpenAIIngress:
         want_lp = body.logprobs_wanted() is not None
         finished_all = False
 
-        def chunk(i, text=None, finish=None, role=False, token_ids=None, lps=None, **extra) -> bytes:
+        def chunk(i, text=None, finish=None, role=False, token_ids=None, ids=(), lps=None, **extra) -> bytes:
+            """One SSE chunk of choice i; ``ids`` / ``lps``: the event's token ids and their log-probabilities."""
             if chat:
                 delta = ChatDelta(role="assistant" if role else None, content=text)
-                lp = self._chat_logprobs(token_ids_all, lps) if lps is not None else None
+                lp = self._chat_logprobs(ids, lps) if lps is not None else None
                 return _sse(ChatCompletionChunk(choices=[ChatChunkChoice(index=i, delta=delta, finish_reason=finish,
                                                                          logprobs=lp, token_ids=token_ids)],
                                                 **head, **extra))
-            lp = self._completion_logprobs(token_ids_all, lps, offsets[i]) if lps is not None else None
+            lp = None
+            if lps is not None:
+                lp = self._completion_logprobs(ids, lps, offsets[i])
+                offsets[i] += sum(len(t) for t in lp.tokens)
             return _sse(CompletionChunk(choices=[CompletionChoice(index=i, text=text or "", finish_reason=finish,
                                                                   logprobs=lp, token_ids=token_ids)],
                                         **head, **extra))
@@ -396,10 +400,10 @@ class OpenAIIngress:
                         yield _sse(APIError(int(ev.get("status", 500)), ev["error"], None, "engine_error").wire())
                         finished_all = True
                         break
-                    token_ids_all = ev.get("token_ids", [])
-                    n_ids[i] += len(token_ids_all)
-                    m.tokens(len(token_ids_all))
-                    tids = list(token_ids_all) if body.return_token_ids else None
+                    ids = ev.get("token_ids", [])
+                    n_ids[i] += len(ids)
+                    m.tokens(len(ids))
+                    tids = list(ids) if body.return_token_ids else None
                     lps = (ev.get("logprobs") or []) if want_lp else None
                     named = None
                     if not started[i]:  # the first chunk of a choice names the replica
@@ -414,16 +418,14 @@ class OpenAIIngress:
                     if ev.get("finished"):
                         last[i] = ev
                         prompt_ids = list(reqs[i]["prompt_ids"]) if body.return_token_ids else None
-                        yield chunk(i, text, ev.get("finish_reason") or "stop", token_ids=tids, lps=lps,
+                        yield chunk(i, text, ev.get("finish_reason") or "stop", token_ids=tids, ids=ids, lps=lps,
                                     dspark=self._dspark(ev, ev.get("replica")), prompt_token_ids=prompt_ids)
                         m.finish(len(reqs[i]["prompt_ids"]), time.monotonic() - t0, ev.get("stats"))
                         if all(x is not None for x in last):
                             finished_all = True
                             break
                     elif text or tids or named or lps:
-                        yield chunk(i, text, token_ids=tids, dspark=named, lps=lps)
-                    if lps is not None:
-                        offsets[i] += sum(len(self._token_text(t)) for t in token_ids_all)
+                        yield chunk(i, text, token_ids=tids, dspark=named, ids=ids, lps=lps)
             if finished_all and all(x is not None for x in last) and body.include_usage:
                 usage = Usage.of(len(reqs[0]["prompt_ids"]),
                                  sum(x.get("completion_tokens", k) for x, k in zip(last, n_ids)))

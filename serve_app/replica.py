@@ -246,7 +246,7 @@ class EngineReplica:
         self.built_on_thread = threading.get_ident()
         opts = self.opts
         self.init_stage = f"loading the target {opts.target} ({opts.dtype}; the CPU linear kernel's first load)"
-        dtype = auto_precision(opts.device) if opts.dtype == "auto" else opts.dtype
+        dtype = self.precision = auto_precision(opts.device) if opts.dtype == "auto" else opts.dtype
         self.runner = TargetRunner.from_pretrained(opts.target, dtype=dtype, device=opts.device,
                                                    max_seq_len=opts.max_model_len,
                                                    kv_cache_tokens=kv_cache_tokens(opts.target, opts.kv_cache_gb))
@@ -334,7 +334,7 @@ class EngineReplica:
             step_s = t1 if step_s is None else min(step_s, t1)
         return {
             "replica": self.replica_id, "ts": now,
-            "dtype": f"{str(self.runner.dtype).removeprefix('torch.')}:{self.runner.linear_backend}",
+            "dtype": self.precision,  # --dtype, with auto resolved
             "active": self.engine.num_active(), "queued": len(self._pending), "max_batch": self.opts.max_batch,
             "tokens_last_round": self._tokens_last_round if rec else 0,
             "step_s": step_s, "steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "busy_fraction": busy / 5.0,

@@ -286,6 +286,11 @@ def test_logprobs_are_the_targets(server, target_dir):
     assert all(abs(v - float(ref[k, t])) < 1e-4 for k, (v, t) in enumerate(zip(lp["token_logprobs"], ids)))
     assert all(len(x) <= 2 for x in lp["top_logprobs"]) and lp["text_offset"][0] == 0
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:k]) for k in range(6)]
+    streamed = [e["choices"][0]["logprobs"] for e in _sse_events(requests.post(
+        server.url + "/completions", stream=True, json=dict(body, stream=True)))
+        if e["choices"] and e["choices"][0].get("logprobs")]
+    assert sum((x["token_logprobs"] for x in streamed), []) == lp["token_logprobs"]
+    assert sum((x["text_offset"] for x in streamed), []) == lp["text_offset"]  # offsets run on across chunks
     assert requests.post(server.url + "/completions", json=dict(body, logprobs=None)).json()["choices"][0][
         "logprobs"] is None
 
