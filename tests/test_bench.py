@@ -237,6 +237,9 @@ def test_one_user_replica_closed_loop_streams_and_prefill_layouts(tmp_path):
         kinds = r["round_kinds"][n]
         assert set(kinds) <= {"decode", "mixed", "prefill"} and kinds["decode"]["rounds"] > 0, (n, kinds)
         assert sum(k["rounds"] for k in kinds.values()) == r["timers"][n]["steps"], (n, kinds, r["timers"][n])
+        split = r["decode_split"][n]  # decode rounds with and without verified drafts
+        assert sum(k["rounds"] for k in split.values()) == kinds["decode"]["rounds"], (n, split)
+        assert n.startswith("hardware") or set(split) == {"1 token per row"}, (n, split)
     assert r["load_aware_over_no_spec"] == pytest.approx(r["tok_s_median"]["hardware"] / r["tok_s_median"]["none"])
     assert set(r["ratios"]) == {"hardware / none", "hardware/padded / none/padded", "none / none/padded",
                                 "hardware / hardware/padded"}

@@ -38,3 +38,15 @@ def test_reexec_respects_user_value_and_opt_out():
     assert out.count("BEFORE") == 1 and "AT_START glibc.malloc.arena_max=2 ARGV ['x', '--flag']" in out
     out = _run({"DSPARK_NO_REEXEC": "1"})
     assert out.count("BEFORE") == 1 and "AT_START None ARGV ['x', '--flag']" in out
+
+
+def test_ray_workers_run_at_the_priority_of_the_rest_of_the_node(ray_session):
+    """Ray starts its workers at nice 15 unless told otherwise; an engine replica is a worker and must not yield the
+    cores to the raylet, the GCS or a client on the same node (apply_env sets RAY_worker_niceness=0)."""
+    assert os.environ.get("RAY_worker_niceness") == "0"
+
+    @ray_session.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert ray_session.get(niceness.remote(), timeout=120) == os.getpriority(os.PRIO_PROCESS, 0)

@@ -580,3 +580,25 @@ def test_realized_gain_stops_drafting_the_model_thought_paid():
     s.observe_acceptance([0] * 16, [0] * 16)
     s.observe_round(16, 0.3, 16, 1.0, 1.3)
     assert s.live.to_dict()["realized_gain"]["16"][0] == 39
+
+
+def test_live_price_per_round_shape():
+    """A profile taken while other processes start on the same cores prices 8 tokens at 2.4x one token; live, in
+    this process, a forward of 8 tokens costs what one costs.  Once the rounds of one request at 1 and 8 tokens are
+    measured, the price follows them (not the profile's shape) and Algorithm 1 verifies every draft; a batch size
+    never measured keeps the profile's shape at the measured overall scale."""
+    ct = CostTable({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4, 16: 4.0})
+    conf = Z([[0.6] * 7])  # survival 0.6, 0.36, 0.22, ...
+    s = Algorithm1(ct)
+    assert s.schedule(conf, [7]) == [2]  # the profile's price stops the search early
+    for _ in range(3):
+        s.observe_round(0, draft_s=0.0, target_tokens=1, target_s=1.0, round_s=1.0)
+        s.observe_acceptance([7], [2])  # the engine reports a drafted round's verification first
+        s.observe_round(1, draft_s=0.05, target_tokens=8, target_s=1.0, round_s=1.05)
+    assert s.schedule(conf, [7]) == [7]
+    price = s.live.target_price(ct, 1)
+    assert price(1) == pytest.approx(1.0) and price(4) == pytest.approx(1.0)  # linear between the measured shapes
+    assert price(16) == pytest.approx(1.0 * 4.0 / 2.4)  # beyond them, the profile's shape
+    assert s.live.target_price(ct, 2)(4) == pytest.approx(s.live.scale * 1.6)  # 2 requests: never measured
+    assert s.live.target_price(ct, 1, base=8)(8) == pytest.approx(1.0 * 4.0 / 2.4)  # beside 8 tokens of other work
+    assert s.live.to_dict()["target_ms"]["1"] == {"1": 1000.0, "8": 1000.0}

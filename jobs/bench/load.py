@@ -284,8 +284,8 @@ def cpu_used(before: dict, after: dict) -> dict[str, float]:
     return used
 
 
-def engine_timers(app: str) -> dict | None:
-    """The native engine replica's EngineTimers (None for vLLM's replica, which has none)."""
+def engine_stats(app: str) -> dict:
+    """The native engine replica's stats() ({} for vLLM's replica, whose stats hold no engine timers)."""
     from ray import serve
 
     from serve_app.app import ENGINE_DEPLOYMENT
@@ -293,8 +293,11 @@ def engine_timers(app: str) -> dict | None:
     try:
         st = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app).stats.remote().result(timeout_s=30)
     except Exception:
-        return None
-    return st.get("engine_timers")
+        return {}
+    return st if st.get("engine_timers") else {}
+
+
+SCHEDULER_STATE = ("live_cost", "model_skips", "skipped_drafts", "depth_hist", "sps")  # kept after each level
 
 
 async def soak(url: str, model: str, app: str, args) -> dict:
@@ -393,10 +396,13 @@ def run(args, harness) -> dict:
                 skipped.append(f"{label}@{c}#{r}")
                 return {}
             n = args.requests_per_level or max(4, 2 * c)
-            cpu0, t0 = cpu_seconds_by_role(label), engine_timers(label)
+            cpu0, st0 = cpu_seconds_by_role(label), engine_stats(label)
             lv = asyncio.run(run_level(f"{base}/{label}/v1", "m", c, n, args, deadline))
-            cpu1, t1 = cpu_seconds_by_role(label), engine_timers(label)
+            cpu1, st1 = cpu_seconds_by_role(label), engine_stats(label)
+            t0, t1 = st0.get("engine_timers"), st1.get("engine_timers")
             lv["cpu_s"] = cpu_used(cpu0, cpu1)
+            if st1.get("live_cost"):  # the load-aware scheduler's state after the level (its live costs, skips)
+                lv["scheduler_after"] = {k: st1.get(k) for k in SCHEDULER_STATE}
             if t0 and t1 and t1["steps"] > t0["steps"]:  # the native engine: its rounds during this level
                 steps = t1["steps"] - t0["steps"]
                 lv["engine_ms_per_round"] = 1e3 * (t1["total_s"] - t0["total_s"]) / steps

@@ -1,14 +1,15 @@
-"""One user, the load test's prompts: no speculation vs the load-aware (Algorithm 1) scheduler, WITHOUT Ray Serve -
-to tell the engine's cost from the serving path's.  Two layers, each interleaved per prompt (order alternating),
-after one warm-up pass:
+"""One user, the load test's prompts: no speculation vs the load-aware (Algorithm 1) scheduler (--systems: fixed depth
+too), WITHOUT Ray Serve - to tell the engine's cost from the serving path's.  Two layers, each interleaved per prompt
+(order alternating), after one warm-up pass:
 
   engine   pipeline.engine.engine.SpeculativeEngine.generate, one request at a time
   replica  serve_app.replica.EngineReplica (the Serve deployment's class, its continuous-batching loop and event
-           stream) driven in this process, no HTTP / ingress / Ray
+           stream) driven in this process, no HTTP / ingress / Ray; the replicas take turns on one engine thread
 
 Prints tokens/s per system (over all measured passes, and the median of the passes), the ratio load-aware / no-spec,
 the engine timers (drafting time, skipped drafting rounds) and the target forward's time per kind of round:
-decode (every row a decode / verification block), mixed (prompts prefilled beside decode rows) and prefill only.
+decode (every row a decode / verification block; split into rounds of one token per row and rounds that verified
+drafts), mixed (prompts prefilled beside decode rows) and prefill only.
 Compare with `python -m jobs.bench load --systems none hardware --concurrency 1` (through Serve and HTTP).
 
 --batch N: N requests at once - one engine batch (engine level), N concurrent streams into the replica (replica
@@ -48,7 +49,7 @@ from pipeline.engine.target_runner import TargetRunner
 NAME = "one_user"
 HELP = "no-spec vs load-aware speculation for one user (or --batch N), engine and replica level, without Serve"
 
-SCHEDULERS = ["none", "hardware"]
+SCHEDULERS = ["none", "fixed", "hardware"]  # no speculation, every draft verified (num_speculative_tokens), Algorithm 1
 PADDED_SHORT_BLOCK = 1 << 30  # no prompt is longer: every row of a prefilling round is padded to the longest
 
 
@@ -58,6 +59,9 @@ def add_arguments(p) -> None:
                         "whose speculation accepts next to nothing)")
     p.add_argument("--target", default=None, help="target HF folder (default: the prepared SmolLM2)")
     p.add_argument("--level", nargs="+", default=["engine", "replica"], choices=["engine", "replica"])
+    p.add_argument("--systems", nargs="+", default=["none", "hardware"], choices=SCHEDULERS,
+                   help="none (no speculation), fixed (every draft verified), hardware (Algorithm 1, load-aware); "
+                        "none always runs (the ratios' base)")
     p.add_argument("--passes", type=int, default=3, help="measured passes over the prompts (after one warm-up)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
@@ -82,7 +86,7 @@ class System:
     """One measured configuration: a scheduler on an engine, with a prefill layout."""
 
     name: str
-    scheduler: str  # 'none' | 'hardware'
+    scheduler: str  # one of SCHEDULERS
     engine: SpeculativeEngine
     runner: TargetRunner
     layout: str
@@ -112,7 +116,7 @@ def make_systems(engines: dict, runners: dict, layouts: list[str]) -> dict[str, 
     """{scheduler: engine} x layouts -> {name: System}; names 'none', 'hardware', 'none/padded', ..."""
     out = {}
     for layout in layouts:
-        for sched in SCHEDULERS:
+        for sched in engines:
             name = sched if layout == "mixed" else f"{sched}/{layout}"
             out[name] = System(name, sched, engines[sched], runners[sched], layout)
     return out
@@ -140,9 +144,23 @@ def round_kinds(shapes: list[tuple]) -> dict[str, dict]:
     """shape_log entries -> {kind: {rounds, target_ms median / min / max, rows median}} for the kinds decode (no
     prompt in the round), mixed (prompts beside decode rows), prefill (prompts only)."""
     kinds: dict[str, list] = {"decode": [], "mixed": [], "prefill": []}
-    for rows, prefill, target_s in shapes:
+    for rows, prefill, target_s, tokens in shapes:
         kind = "decode" if prefill == 0 else ("prefill" if prefill == rows else "mixed")
         kinds[kind].append((target_s * 1e3, rows))
+    return _summaries(kinds)
+
+
+def decode_split(shapes: list[tuple]) -> dict[str, dict]:
+    """The decode rounds of shape_log split by whether they verified drafts: "1 token per row" (plain decoding, or a
+    round the scheduler did not draft) and "verify" (some row verified drafts)."""
+    kinds: dict[str, list] = {"1 token per row": [], "verify": []}
+    for rows, prefill, target_s, tokens in shapes:
+        if prefill == 0:
+            kinds["1 token per row" if tokens == rows else "verify"].append((target_s * 1e3, rows))
+    return _summaries(kinds)
+
+
+def _summaries(kinds: dict[str, list]) -> dict[str, dict]:
     out = {}
     for k, v in kinds.items():
         if v:
@@ -162,9 +180,10 @@ def report(harness, level, systems: dict[str, System], per_pass, tot) -> dict:
         print(f"[{level}] {n:16s} {rate[n]:7.2f} tok/s  timers {timers[n]}")
     ratios = {}
     for n in systems:
-        if n.startswith("hardware"):
-            base = n.replace("hardware", "none", 1)
-            ratios[f"{n} / {base}"] = med[n] / med[base]
+        for sched in ("fixed", "hardware"):
+            if n.startswith(sched):
+                base = n.replace(sched, "none", 1)
+                ratios[f"{n} / {base}"] = med[n] / med[base]
         if n.endswith("/padded"):
             mixed = n[:-len("/padded")]
             ratios[f"{mixed} / {n}"] = med[mixed] / med[n]
@@ -175,14 +194,21 @@ def report(harness, level, systems: dict[str, System], per_pass, tot) -> dict:
                   [[n, f"{k:.0f}", f"{sec:.2f}", f"{rate[n]:.2f}", " / ".join(f"{x:.1f}" for x in per_pass[n]),
                     f"{med[n]:.2f}", f"{med[n] / med['none']:.3f}"] for n, (k, sec) in tot.items()])
     kinds = {n: round_kinds(s.shapes) for n, s in systems.items()}
+    split = {n: decode_split(s.shapes) for n, s in systems.items()}
     harness.table(f"{level}: target forward per kind of round (ms: median, min-max)",
                   ["system", "kind", "rounds", "median rows", "target ms", "min - max"],
                   [[n, k, v["rounds"], f"{v['rows_median']:g}", f"{v['target_ms_median']:.1f}",
                     f"{v['target_ms_min']:.0f} - {v['target_ms_max']:.0f}"]
-                   for n, ks in kinds.items() for k, v in ks.items()])
+                   for n, ks in kinds.items() for k, v in list(ks.items()) + [(f"decode, {d}", x) for d, x in
+                                                                                split[n].items()]])
     return {"tok_s": rate, "tok_s_per_pass": per_pass, "tok_s_median": med,
-            "load_aware_over_no_spec": med["hardware"] / med["none"], "ratios": ratios, "timers": timers,
-            "round_kinds": kinds}
+            "load_aware_over_no_spec": med["hardware"] / med["none"] if "hardware" in med else None,
+            "ratios": ratios, "timers": timers, "round_kinds": kinds, "decode_split": split}
+
+
+def systems_of(args) -> list[str]:
+    """The schedulers to run, 'none' first (the base of every ratio), each once."""
+    return ["none"] + [n for n in SCHEDULERS if n != "none" and n in args.systems]
 
 
 def run(args, harness) -> dict:
@@ -213,10 +239,12 @@ def run(args, harness) -> dict:
                          device=runner.device)
         cost, _, _ = load_or_profile_cost_table(runner, ProfileSpec(target=str(target), dtype=args.dtype),
                                                 d.cfg.block_size + 1)
-        spec = SpecConfig(method=d.cfg.kind, scheduler=make_load_aware_scheduler("hardware", cost))
-        engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos),
-                   "hardware": SpeculativeEngine(runner, d, spec, tokenizer=tok, eos_token_ids=eos)}
-        systems = make_systems(engines, {"none": runner, "hardware": runner}, args.layouts)
+        specs = {"fixed": SpecConfig(method=d.cfg.kind, scheduler="fixed"),
+                 "hardware": SpecConfig(method=d.cfg.kind, scheduler=make_load_aware_scheduler("hardware", cost))}
+        engines = {"none": SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok, eos_token_ids=eos)}
+        engines.update({n: SpeculativeEngine(runner, d, specs[n], tokenizer=tok, eos_token_ids=eos)
+                        for n in systems_of(args) if n != "none"})
+        systems = make_systems(engines, {n: runner for n in engines}, args.layouts)
 
         def run_one(s, batch):
             outs = s.engine.generate(batch, SamplingParams(temperature=0.0), max_tokens=args.max_tokens,
@@ -227,13 +255,20 @@ def run(args, harness) -> dict:
                                   *interleaved(harness, "engine", run_one, batches, args.passes, systems))
 
     if "replica" in args.level:
+        import serve_app.replica as replica_module
         from serve_app.replica import EngineReplica
 
+        # every replica on ONE engine thread (they take turns): a thread per replica would give each its own OpenMP
+        # worker pool, and libgomp, counting more threads than CPUs, slows every parallel region of all of them --
+        # which a Serve replica, one process each, does not pay
+        shared = replica_module.engine_executor(args.threads)
+        replica_module.engine_executor = lambda threads: shared
         mb = max(8, args.batch)  # the replica's default max_batch, or room for all the streams
         common = dict(target=target, threads=args.threads, max_batch=mb, dtype=args.dtype,
                       stream_interval=args.stream_interval)
-        reps = {"none": EngineReplica(dict(common, scheduler="none")),
-                "hardware": EngineReplica(dict(common, drafter=args.drafter, scheduler="hardware"))}
+        reps = {"none": EngineReplica(dict(common, scheduler="none"))}
+        reps.update({n: EngineReplica(dict(common, drafter=args.drafter, scheduler=n))
+                     for n in systems_of(args) if n != "none"})
         systems = make_systems({n: r.engine for n, r in reps.items()}, {n: r.runner for n, r in reps.items()},
                                args.layouts)
         loop = asyncio.new_event_loop()

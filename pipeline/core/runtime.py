@@ -58,6 +58,11 @@ _DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
     "RAY_DEDUP_LOGS": "1",
+    # Ray starts its workers at nice 15 so that the raylet and GCS stay responsive; an engine replica (a worker) then
+    # yields both cores to every burst of the raylet, GCS, dashboard agent or a client on the same node, and each of
+    # the hundreds of OpenMP regions of a forward waits for the preempted thread (measurements:
+    # docs/results/load_test.md).  The same priority as everything else on the node instead.
+    "RAY_worker_niceness": "0",
     "RAY_SERVE_HTTP_HOST": LOOPBACK,
     # Serve's proxy must answer its readiness check within 5 s by default; on a busy machine with few cores it can take
     # longer, and serve.start() then fails ("ProxyActor died").  Generous limits, same behaviour otherwise.

@@ -317,7 +317,7 @@ class SpeculativeEngine:
         # the drafter produced for that round (STS-scaled when the drafter has temperatures), or None.
         self.record_rounds = False
         self.round_log: list[dict] = []
-        # Per-round shapes for benchmarks (None: not kept): (rows, prompt rows, target s) per step
+        # Per-round shapes for benchmarks (None: not kept): (rows, prompt rows, target s, target tokens) per step
         self.shape_log: list[tuple] | None = None
         self.static_draft: StaticDraftProposer | None = None  # use_static_shapes; else drafter.propose
         if self.spec.cuda_graphs:
@@ -473,7 +473,8 @@ class SpeculativeEngine:
         round_s = time.perf_counter() - t_start
         self.timers.total_s += round_s
         if self.shape_log is not None:
-            self.shape_log.append((len(batch.requests), batch.num_prefill, batch.target_s))
+            self.shape_log.append((len(batch.requests), batch.num_prefill, batch.target_s,
+                                   sum(len(x) for x in batch.inputs)))
         if not batch.num_prefill:  # what a decode round costs, for cost-aware schedulers (prefill is not typical)
             self.scheduler.observe_round(len(batch.drafted), batch.propose_s, sum(len(x) for x in batch.inputs),
                                          batch.target_s, round_s)

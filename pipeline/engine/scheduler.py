@@ -12,6 +12,7 @@ no-break search (``Algorithm1(early_stop=False)``) does not -- docs/dspark.md Ap
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from pathlib import Path
@@ -107,8 +108,14 @@ class LiveRoundCost:
       * draft seconds of one drafting round (block forward + sequential loop + confidences) for R requests (an EMA
         per R, interpolated between observed R, flat beyond them; 0 until a round was drafted);
       * overhead seconds per round outside drafting and the target forward (rejection sampler, bookkeeping);
-      * scale = measured / profiled target step time (an EMA), so a table profiled on a quieter or busier machine
-        is corrected to today's speed without changing its shape;
+      * the target forward's seconds per round shape (R requests, B tokens; an EMA per shape), so the price of B
+        tokens for R requests follows what such forwards take in this process, not only the profile's shape: a
+        profile taken while other processes start on the same cores can price 8 tokens at 1.4x one token when live
+        they cost about the same.  Between the B measured at one R the price is linear in B; beyond them it follows
+        the profile's shape from the nearest measured one (so each deeper verification measured moves the price of
+        the next); an R never measured gets the profile at ``scale`` (``target_price``);
+      * scale = measured / profiled target step time over all rounds (an EMA), so a table profiled on a quieter or
+        busier machine is corrected to today's speed without changing its shape;
       * what drafting actually gave, per R: the realized gain = tokens per second of the rounds that verified drafts
         ÷ those of a plain round of the same R (a measured plain round of that R when there is one, else the
         model's), as a ratio of averaged tokens and seconds (a running mean over the first 1/gain_alpha verifying
@@ -119,7 +126,7 @@ class LiveRoundCost:
         when drafting stopped paying: below ``loss_margin`` (0.9, a margin for the noise of a shared machine), per
         batch size class (``gain_bucket``).
 
-    Round time (drafted): scale·t(B) + overhead + draft(R); not drafted: scale·t(R) + overhead.
+    Round time (drafted): target_R(B) + overhead + draft(R); not drafted: target_R(R) + overhead.
     """
 
     def __init__(self, alpha: float = 0.2, gain_alpha: float = 0.05, min_gain_rounds: int = 8,
@@ -135,6 +142,7 @@ class LiveRoundCost:
         self.scale = 1.0
         self.rounds = 0
         self.plain_s: dict = {}  # R -> EMA seconds of a round that drafted nothing
+        self.target_by_shape: dict = {}  # R -> {B: EMA seconds of the target forward of R requests, B tokens}
         # gain_bucket(R) -> [verifying rounds, mean tokens per request, mean round seconds, mean plain-round seconds]
         self._verifying: dict = {}
 
@@ -161,12 +169,41 @@ class LiveRoundCost:
             self.draft[int(num_drafted)] = self._ema(self.draft.get(int(num_drafted)), float(draft_s))
             self.draft_best[int(num_drafted)] = min(self.draft_best.get(int(num_drafted), math.inf), float(draft_s))
             self.drafted_rounds += 1
+        if R > 0 and target_s > 0:
+            shape = self.target_by_shape.setdefault(R, {})
+            shape[int(target_tokens)] = self._ema(shape.get(int(target_tokens)), float(target_s))
         if target_tokens > 0 and target_s > 0:
             ratio = min(10.0, max(0.1, target_s / cost.step_time(int(target_tokens))))
             self.scale = self._ema(self.scale if self.rounds else None, ratio)
             self.overhead_s = self._ema(self.overhead_s if self.rounds else None,
                                         max(0.0, round_s - target_s - draft_s))
             self.rounds += 1
+
+    def target_price(self, cost: CostTable, R: int, base: int = 0, verify: bool = False):
+        """B -> seconds of the target forward of a round of R requests and B tokens, beside ``base`` target tokens of
+        other work: between the B measured at this R, linear in B; below and beyond them, the nearest measured
+        forward scaled by the profile's shape (``verify``: the price a verification round gets,
+        ``CostTable.verify_time``); an R never measured, the profile at the overall ``scale``."""
+        table = cost.verify_time if verify else cost.step_time
+        shape = self.target_by_shape.get(int(R))
+        if not shape:
+            scale = self.scale
+            return lambda B: scale * table(base + B)  # noqa: E731
+        pts = sorted(shape.items())
+        bs = [b for b, _ in pts]
+
+        def price(B: int) -> float:
+            i = bisect.bisect_left(bs, B)
+            if i < len(bs) and bs[i] == B:
+                t = pts[i][1]
+            elif i == 0 or i == len(bs):
+                b0, t0 = pts[0] if i == 0 else pts[-1]
+                t = t0 * table(B) / table(b0)
+            else:
+                (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+                t = t0 + (t1 - t0) * (B - b0) / (b1 - b0)
+            return t * table(base + B) / table(B) if base else t
+        return price
 
     def new_table(self) -> None:
         """The profiled table was replaced: the scale (relative to the old one) starts over."""
@@ -205,6 +242,8 @@ class LiveRoundCost:
         return {"draft_s": {str(k): round(v, 5) for k, v in sorted(self.draft.items())},
                 "overhead_s": round(self.overhead_s, 5), "scale": round(self.scale, 4), "rounds": self.rounds,
                 "plain_s": {str(k): round(v, 5) for k, v in sorted(self.plain_s.items())},
+                "target_ms": {str(r): {str(b): round(t * 1e3, 2) for b, t in sorted(d.items())}
+                              for r, d in sorted(self.target_by_shape.items())},  # R -> B -> ms
                 "realized_gain": {str(k): [v[0], round(self.realized_gain(k), 4)] for k, v in
                                   sorted(self._verifying.items())}}  # bucket -> [rounds, gain]
 
@@ -285,10 +324,11 @@ class _SharedHardware:
       depth rule stays lossless) and an optional cap on this batch's target tokens.  B_0 = τ_0 = 0, no budget: the
       paper's Algorithm 1 on its own batch.
     * The round's whole cost (``LiveRoundCost``): the paper's Θ = τ·SPS(B) counts only the target step, so a draft
-      looks free when the drafting round itself costs a sizeable share of a step.  Here Θ = τ / (scale·t(B_0 + B) +
-      overhead + draft(R)), with the drafting cost, engine overhead and the table's scale measured live.
+      looks free when the drafting round itself costs a sizeable share of a step.  Here Θ = τ / (target_R(B_0 + B) +
+      overhead + draft(R)), with the drafting cost, engine overhead and the target forward per round shape measured
+      live (``LiveRoundCost.target_price``).
     * Whether to draft at all: after each drafted round the scheduler compares the best Θ it found with the
-      throughput of a plain decoding round, (τ_0 + R) / (scale·t(B_0 + R) + overhead), and the verifying rounds
+      throughput of a plain decoding round, (τ_0 + R) / (target_R(B_0 + R) + overhead), and the verifying rounds
       of R requests so far with the plain rounds, as measured (``LiveRoundCost.realized_gain``).  When drafting did
       not pay by either, the next rounds skip drafting (one token per request, no drafter cost), and a probe round
       drafts again after ``refresh_every - 1`` skipped rounds, doubling while probes keep saying no (up to
@@ -403,10 +443,9 @@ class _SharedHardware:
         """B (this batch's target tokens) -> seconds of one round, drafted or not (best_case: at the fastest
         drafting round seen)."""
         lv = self.live
-        if not drafted:
-            return lambda B: lv.scale * self.cost.step_time(self._base() + B) + lv.overhead_s
-        extra = lv.overhead_s + lv.draft_seconds(R, best=best_case)
-        return lambda B: lv.scale * self.cost.verify_time(self._base() + B) + extra
+        target = lv.target_price(self.cost, R, self._base(), verify=drafted)
+        extra = lv.overhead_s + (lv.draft_seconds(R, best=best_case) if drafted else 0.0)
+        return lambda B: target(B) + extra
 
     def _search(self, a: torch.Tensor, early_stop: bool):
         return greedy_prefix_search(a, self.cost, early_stop=early_stop, base_tokens=self._base(),
