@@ -152,7 +152,8 @@ def test_without_markov_head_proposes_from_the_backbone_alone_and_is_timed():
     timer = DraftTimer(d)
     p = d.propose([st], anchors, SamplingParams())
     assert p.conf_logits is None and with_markov.conf_logits is not None
-    assert torch.equal(p.logits, U) and not torch.equal(with_markov.logits, U)  # g_k = U_k: no Markov bias
-    assert torch.equal(p.tokens, d.draft_ids[U.argmax(-1)])
+    # g_k = U_k: no Markov bias (the same block forward, though propose may take another kernel path: to rounding)
+    assert torch.allclose(p.logits, U, atol=1e-4) and (with_markov.logits - U).abs().max() > 1e-2
+    assert torch.equal(p.tokens, d.draft_ids[p.logits.argmax(-1)])
     d.extend_contexts([st], [torch.randn(2, 64)])
     assert timer.rounds == 1 and timer.propose_s > 0 and timer.extend_s > 0

@@ -283,11 +283,20 @@ def plot(results: dict, png: Path) -> None:
             axes[0].plot(xs, [r["tau"] for r in rows], **style)
         axes[1].plot(xs, [r["decode_tok_s"] for r in rows], **style)
         axes[2].plot(xs, [r["ttft_s"] for r in rows], **style)
-    for ax, title in zip(axes, ["τ (tokens per verification round)", "decode tokens / s", "time to first token (s)"]):
+    for ax in axes:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticks(xs, [f"{x:.0f}" for x in xs])
-        ax.set_xlabel("prompt tokens")
+    finish(fig, axes, ["τ (tokens per verification round)", "decode tokens / s", "time to first token (s)"],
+           "prompt tokens", png)
+
+
+def finish(fig, axes, titles: list, xlabel: str, png: Path) -> None:
+    """Titles, x label, grid and legend on every panel; the figure saved to ``png`` and closed."""
+    import matplotlib.pyplot as plt
+
+    for ax, title in zip(axes, titles):
+        ax.set_xlabel(xlabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -307,14 +316,7 @@ def plot_windows(windows: dict, png: Path) -> None:
         names = list(per)
         axes[0].plot(names, [per[w]["tau"] for w in names], marker="o", label=f"{L}-token prompts")
         axes[1].plot(names, [per[w]["draft_ms_per_round"] for w in names], marker="o", label=f"{L}-token prompts")
-    for ax, title in zip(axes, ["τ", "drafting round (ms)"]):
-        ax.set_xlabel("drafter context window (tokens)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    finish(fig, axes, ["τ", "drafting round (ms)"], "drafter context window (tokens)", png)
 
 
 # ------------------------------------------------------------------------------------------------------------ run
