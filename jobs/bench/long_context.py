@@ -137,26 +137,21 @@ class DraftTimer:
     calls the engine makes, by wrapping them on the instance."""
 
     def __init__(self, drafter):
-        self.propose_s = self.extend_s = 0.0
-        self.rounds = 0
-        propose, extend = drafter.propose, drafter.extend_contexts
+        self.reset()
+        drafter.propose = self._timed(drafter.propose, "propose_s", counts_rounds=True)
+        drafter.extend_contexts = self._timed(drafter.extend_contexts, "extend_s")
 
-        def timed_propose(*a, **k):
+    def _timed(self, fn, total: str, counts_rounds: bool = False):
+        """fn, adding its seconds to the attribute ``total`` (and counting its calls as rounds)."""
+        def timed(*a, **k):
             t0 = time.perf_counter()
             try:
-                return propose(*a, **k)
+                return fn(*a, **k)
             finally:
-                self.propose_s += time.perf_counter() - t0
-                self.rounds += 1
-
-        def timed_extend(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return extend(*a, **k)
-            finally:
-                self.extend_s += time.perf_counter() - t0
-
-        drafter.propose, drafter.extend_contexts = timed_propose, timed_extend
+                setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
+                if counts_rounds:
+                    self.rounds += 1
+        return timed
 
     def reset(self) -> None:
         self.propose_s = self.extend_s = 0.0
@@ -364,7 +359,8 @@ def run(args, harness) -> dict:
         assert [len(p) for p in prompts[L]] == [r["prompt_tokens"] for r in suite[L]], "suite round trip"
     dtype = auto_precision("cpu") if args.dtype == "auto" else args.dtype
     runner = TargetRunner.from_pretrained(str(target), dtype=dtype, device="cpu")
-    longest = max(len(p) for ps in prompts.values() for p in ps)
+    longest_prompt = max((p for ps in prompts.values() for p in ps), key=len)
+    longest = len(longest_prompt)
     drafter_dtype = resolve_drafter_dtype(args.drafter_dtype, dtype, "cpu")
     drafter = load_drafter(args.drafter, str(target), dtype=drafter_dtype, device="cpu")
     cap = int(drafter.cfg.block_size)
@@ -414,9 +410,8 @@ def run(args, harness) -> dict:
             if name in vllms:
                 return vllm_case(vllms[name], runner, prompts[L][rep], args.max_new_tokens, outputs, key)
             eng, t = engines[name]
-            if window == "own":
-                return engine_case(eng, prompts[L][rep], args.max_new_tokens, t, outputs, key)
-            drafter.cfg.context_window = window  # read by every drafting call (pipeline/dspark/drafter.py)
+            if window != "own":
+                drafter.cfg.context_window = window  # read by every drafting call (pipeline/dspark/drafter.py)
             try:
                 return engine_case(eng, prompts[L][rep], args.max_new_tokens, t, outputs, key)
             finally:
@@ -432,9 +427,9 @@ def run(args, harness) -> dict:
         case_fn()
     if not args.no_long_warmup:
         t0 = time.perf_counter()
-        engine_case(engines["plain"][0], max((p for ps in prompts.values() for p in ps), key=len), 1, None, {}, None)
+        engine_case(engines["plain"][0], longest_prompt, 1, None, {}, None)
         for vd in vllms.values():
-            vd.generate([max((p for ps in prompts.values() for p in ps), key=len)], GREEDY, 1)
+            vd.generate([longest_prompt], GREEDY, 1)
             vd.llm.reset_prefix_cache()
         print(f"warm-up prefill of the {longest}-token prompt: {time.perf_counter() - t0:.1f} s", flush=True)
 

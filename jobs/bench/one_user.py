@@ -261,7 +261,7 @@ def run(args, harness) -> dict:
         # every replica on ONE engine thread (they take turns): a thread per replica would give each its own OpenMP
         # worker pool, and libgomp, counting more threads than CPUs, slows every parallel region of all of them --
         # which a Serve replica, one process each, does not pay
-        shared = replica_module.engine_executor(args.threads)
+        own_executor, shared = replica_module.engine_executor, replica_module.engine_executor(args.threads)
         replica_module.engine_executor = lambda threads: shared
         mb = max(8, args.batch)  # the replica's default max_batch, or room for all the streams
         common = dict(target=target, threads=args.threads, max_batch=mb, dtype=args.dtype,
@@ -299,4 +299,5 @@ def run(args, harness) -> dict:
             for r in reps.values():
                 loop.run_until_complete(r.aclose())
             loop.close()
+            replica_module.engine_executor = own_executor
     return result

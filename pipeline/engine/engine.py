@@ -472,12 +472,11 @@ class SpeculativeEngine:
         self.timers.steps += 1
         round_s = time.perf_counter() - t_start
         self.timers.total_s += round_s
+        target_tokens = sum(len(x) for x in batch.inputs)
         if self.shape_log is not None:
-            self.shape_log.append((len(batch.requests), batch.num_prefill, batch.target_s,
-                                   sum(len(x) for x in batch.inputs)))
+            self.shape_log.append((len(batch.requests), batch.num_prefill, batch.target_s, target_tokens))
         if not batch.num_prefill:  # what a decode round costs, for cost-aware schedulers (prefill is not typical)
-            self.scheduler.observe_round(len(batch.drafted), batch.propose_s, sum(len(x) for x in batch.inputs),
-                                         batch.target_s, round_s)
+            self.scheduler.observe_round(len(batch.drafted), batch.propose_s, target_tokens, batch.target_s, round_s)
         return outputs
 
     def _prefill_chunks(self, prefilling: list, num_decode: int) -> tuple[list, list]:
