@@ -19,8 +19,18 @@ needs_attention = pytest.mark.skipif(not pa.available(),
                                      reason=f"no paged attention kernel here: {pa.unavailable_reason()}")
 
 
+def _kernels():
+    """(name, function, needs K % this, reference input rounding) of each bf16-weight kernel this CPU runs."""
+    out = []
+    if bf16_linear.available():
+        out.append(("fp32", bf16_linear.EXT.module.bf16_linear, 16, lambda x: x))
+    if bf16_linear.DOT.available():
+        out.append(("bf16", bf16_linear.DOT.module.bf16_dot_linear, 32, lambda x: x.bfloat16().float()))
+    return out
+
+
 @needs_linear
-@pytest.mark.parametrize("K,N", [(16, 1), (64, 5), (576, 960), (576, 257), (1536, 576)])
+@pytest.mark.parametrize("K,N", [(32, 1), (64, 5), (576, 960), (576, 257), (1536, 576)])
 def test_bf16_linear_rows_are_batch_invariant(K, N):
     g = torch.Generator().manual_seed(K + N)
     w = torch.randn(N, K, generator=g).bfloat16()
@@ -28,20 +38,38 @@ def test_bf16_linear_rows_are_batch_invariant(K, N):
     x = torch.randn(40, K, generator=g)
     threads = torch.get_num_threads()
     try:
-        results = {}
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            y = bf16_linear.linear(x, w, b)
-            ref = F.linear(x.double(), w.double(), b.double()).float()
-            assert torch.allclose(y, ref, atol=1e-3, rtol=1e-4), (y - ref).abs().max()
-            for M in range(1, 41):  # every tile remainder (tiles of 8, 4, 3, 2, 1 rows)
-                assert torch.equal(bf16_linear.linear(x[:M], w, b), y[:M]), M
-            singles = torch.stack([bf16_linear.linear(x[i:i + 1], w, b)[0] for i in range(40)])
-            assert torch.equal(singles, y)
-            results[t] = y
-        assert torch.equal(results[1], results[2])  # each output is one thread's: the split changes nothing
+        for name, fn, multiple, rounded in _kernels():
+            results = {}
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                y = fn(x, w, b)
+                ref = F.linear(rounded(x).double(), w.double(), b.double()).float()
+                assert torch.allclose(y, ref, atol=1e-3, rtol=1e-4), (name, (y - ref).abs().max())
+                for M in range(1, 41):  # every tile remainder (tiles of 8, 7, ..., 1 rows)
+                    assert torch.equal(fn(x[:M].contiguous(), w, b), y[:M]), (name, M)
+                singles = torch.stack([fn(x[i:i + 1].contiguous(), w, b)[0] for i in range(40)])
+                assert torch.equal(singles, y), name
+                results[t] = y
+            assert torch.equal(results[1], results[2]), name  # each output is one thread's: the split changes nothing
+        # the layer picks one kernel per weight, for every row count
+        lin = bf16_linear.InvariantLinear(w, b)
+        assert torch.equal(lin(x[:3]), torch.cat([lin(x[i:i + 1]) for i in range(3)]))
+        assert torch.equal(lin(x), bf16_linear.kernel(K)(x, w, b))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not bf16_linear.DOT.available(), reason=f"no native bf16 dot-product kernel here: "
+                                                            f"{bf16_linear.DOT.unavailable_reason()}")
+def test_native_bf16_kernel_takes_widths_of_32():
+    """Widths that are multiples of 32 go through the native dot products, the others through the fp32 kernel."""
+    assert bf16_linear.arithmetic(576) == "bf16" and bf16_linear.arithmetic(48) == "fp32"
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 48, generator=g).bfloat16(), torch.randn(3, 48, generator=g)
+    ref = F.linear(x.double(), w.double()).float()
+    assert torch.allclose(bf16_linear.linear(x, w), ref, atol=1e-4, rtol=1e-5)  # fp32 inputs, not rounded
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        bf16_linear.DOT.module.bf16_dot_linear(torch.randn(2, 48), w, None)
 
 
 @needs_linear

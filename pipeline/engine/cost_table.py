@@ -22,6 +22,7 @@ import torch
 
 from pipeline.core.file_lock import DEFAULT_TIMEOUT_S, atomic_write_text, file_lock, sweep_temporaries
 from pipeline.core.runtime import work_dir
+from pipeline.ops import bf16_linear
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ def cost_table_key(spec: ProfileSpec, max_tokens_per_request: int, linear_backen
         # v4: the linear back end in the key
         "linear_backend": linear_backend,
     }
+    if linear_backend == "invariant":  # the kernels' source versions: a faster kernel is another curve
+        ident["kernels"] = bf16_linear.version()
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

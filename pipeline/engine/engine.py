@@ -168,6 +168,7 @@ class _Request:
     slot: int = -1
     draft_state: object = None
     pending_ctx: list = field(default_factory=list)  # [(aux [n, k·d], start position)] not yet in draft_state
+    pending_tokens: int = 0  # rows of pending_ctx
     prefill_pos: int = 0  # prompt tokens in the target's cache (chunked prefill: < len(prompt) while prefilling)
     footprint: int = 0  # cache positions reserved for it at admission (prompt + completion + a verification block)
     output_ids: list = field(default_factory=list)
@@ -440,7 +441,7 @@ class SpeculativeEngine:
             if free is not None:
                 free(req.draft_state)
             req.draft_state = None
-        req.pending_ctx = []
+        req.pending_ctx, req.pending_tokens = [], 0
 
     # ------------------------------------------------------------------ one round
     @torch.inference_mode()
@@ -462,9 +463,9 @@ class SpeculativeEngine:
         self._run_target(batch)
         self._verify(batch)
         outputs = self._commit(batch)
-        # the drafter context is extended only before a round that drafts (a skipped round costs no drafter time);
-        # a long backlog is folded in anyway to bound its memory
-        backlog = [r for r in self.requests.values() if len(r.pending_ctx) >= self.MAX_PENDING_CONTEXT]
+        # the drafter context is extended only before a round that drafts (a request that never drafts again costs
+        # no drafter time); a long backlog is folded in anyway to bound its memory
+        backlog = [r for r in self.requests.values() if r.pending_tokens >= self.MAX_PENDING_TOKENS]
         if backlog:
             t2 = time.perf_counter()
             self._flush_context(backlog)
@@ -656,7 +657,9 @@ class SpeculativeEngine:
                 T.truncate(r.slot, keep)
                 if self.drafter is not None:  # the drafter's context follows lazily (_flush_context)
                     aux = out.aux_of(i)
-                    r.pending_ctx.append(((aux if is_prefill else aux[:m + 1]).clone(), n))
+                    kept = aux if is_prefill else aux[:m + 1]
+                    r.pending_ctx.append((kept.clone(), n))
+                    r.pending_tokens += kept.shape[0]
             outputs.append(self._output(r, emitted, lps))
         return outputs
 
@@ -676,7 +679,9 @@ class SpeculativeEngine:
             tops = [[] for _ in emitted]
         return list(zip(chosen, tops))
 
-    MAX_PENDING_CONTEXT = 32  # rounds of verified tokens a request may hold before its drafter context is extended
+    # verified tokens a request may hold before its drafter context is extended without a drafting round (their
+    # aux hidden states: n_aux·d values each, 7 KiB in fp32 for SmolLM2)
+    MAX_PENDING_TOKENS = 2048
 
     def _flush_context(self, reqs: Sequence[_Request]) -> None:
         """Append every request's pending verified tokens to its drafter context: one batched pass with
@@ -697,7 +702,7 @@ class SpeculativeEngine:
                 for aux, pos in r.pending_ctx:
                     self.drafter.extend_context(r.draft_state, aux, pos)
         for r in todo:
-            r.pending_ctx = []
+            r.pending_ctx, r.pending_tokens = [], 0
 
     def _propose(self, decode: list[_Request]) -> RoundProposal:
         """Group requests by draft sampling params (seeded requests alone, with their own generator)."""

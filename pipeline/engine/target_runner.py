@@ -65,7 +65,7 @@ def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
 # shape timed on this machine when the runner is built: packed_linear.tune_flinear_rows), smallm (the AVX2 kernel
 # of pipeline/ops/small_m_linear.py for inputs of at most small_m_linear.MAX_ROWS rows, packed above; both copies kept)
 # invariant (bfloat16:invariant only): bf16 weights through pipeline/ops/bf16_linear.py for every row count, fp32
-# activations, with the paged KV cache's attention: every row's result is independent of the batch it is in
+# residual stream, with the paged KV cache's attention: every row's result is independent of the batch it is in
 LINEAR_BACKENDS = ("packed", "mkl", "hybrid", "tuned", "smallm", "invariant")
 HYBRID_FLINEAR_ROWS = 2
 
@@ -361,7 +361,7 @@ class TargetRunner:
         kv_cache_tokens: the paged cache's budget in token positions (all requests together; default
         ``DEFAULT_KV_CACHE_TOKENS``)."""
         self.dtype, backend = parse_precision(dtype)
-        if backend == "invariant":  # bf16 weights, fp32 activations and accumulation
+        if backend == "invariant":  # bf16 weights, fp32 residual stream and accumulation
             self.dtype = torch.float32
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))

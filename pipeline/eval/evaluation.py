@@ -193,7 +193,7 @@ def resolve_drafter_dtype(choice: str, spec_dtype: str, device: str) -> torch.dt
         return torch.bfloat16
     if choice != "auto":
         raise ValueError(f"--drafter-dtype must be auto, float32 or bfloat16, got {choice!r}")
-    if spec_dtype.endswith(":invariant"):  # bf16 weights, fp32 activations: an fp32 drafter beside it
+    if spec_dtype.endswith(":invariant"):  # bf16 weights, fp32 residual stream: an fp32 drafter
         return torch.float32
     native = device.startswith("cuda") or cpu_has_native_bf16()
     return torch.bfloat16 if spec_dtype.split(":")[0] in ("bfloat16", "bf16") and native else torch.float32
