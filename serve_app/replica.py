@@ -352,6 +352,8 @@ class EngineReplica:
             "skipped_drafts": self.engine.timers.skipped_drafts,
             # of which the cost model's bound ruled out (no probe spent): drafting could not pay at that load
             "model_skips": getattr(self.load_sched, "model_skips", 0),
+            # plain rounds run to measure what drafting is compared with (control_every)
+            "control_rounds": getattr(self.load_sched, "control_rounds", 0),
         }
 
     async def stats(self) -> dict:

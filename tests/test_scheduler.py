@@ -380,7 +380,8 @@ def test_drafting_cost_enters_the_objective_and_the_draft_or_not_decision():
     (the drafting cost is sunk and amortised) but the scheduler stops drafting for the next rounds."""
     ct = CostTable({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3})
     half = Z([[0.5, 0.5, 0.5]])  # survival 0.5, 0.25, 0.125
-    s = Algorithm1(ct, refresh_every=2, gain_ema=None)  # each round's gain decides the next alone
+    # each round's gain decides the next alone; no control rounds (test_control_rounds_measure_a_plain_round)
+    s = Algorithm1(ct, refresh_every=2, gain_ema=None, control_every=None)
     assert s.schedule(half, [3]) == [2]  # 1.75 / 1.2 beats 1.5 / 1.1 and 1.875 / 1.3
     assert s.last_gain == pytest.approx(1.75 / 1.2) and s.draft_this_round(1)
     s.observe_round(1, draft_s=0.6, target_tokens=3, target_s=1.2, round_s=1.8)
@@ -406,7 +407,7 @@ def test_cost_model_skips_drafting_where_it_cannot_pay_and_resumes_when_the_load
     not), drafting 5 ms.  At 16 requests even drafts as sure as the surest seen cannot pay: no drafting, no probe
     rounds; at 2 requests they can, and the first round at that load drafts."""
     ct = CostTable({1: 0.020, 4: 0.021, 8: 0.060, 16: 0.140, 32: 0.300, 64: 0.620, 128: 1.26})
-    s = Algorithm1(ct)
+    s = Algorithm1(ct, control_every=None)
     sure = Z([[0.9, 0.9, 0.9]] * 2)
     assert s.draft_this_round(2) and not s.drafting_cannot_pay(2)  # nothing measured yet: draft and measure
     # the first drafting round also feeds the prompts to the drafter (50 ms): the bound takes the fastest round
@@ -432,7 +433,7 @@ def test_one_unpromising_round_does_not_stop_drafting():
     while rounds that keep promising less than a plain round do."""
     ct = CostTable({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15})
     good, low = Z([[0.9, 0.9, 0.9]]), Z([[0.01, 0.01, 0.01]])
-    per_round, averaged = Algorithm1(ct, gain_ema=None), Algorithm1(ct)
+    per_round, averaged = Algorithm1(ct, gain_ema=None, control_every=None), Algorithm1(ct, control_every=None)
     for s in (per_round, averaged):
         for _ in range(5):
             s.schedule(good, [3])
@@ -453,7 +454,7 @@ def test_averaged_gain_is_kept_per_load():
     """The averaged gain is kept per batch size class: rounds at one user that pay do not keep a 16-request batch,
     where drafting does not pay, drafting for the next rounds (at 16 users the first unpromising rounds back off)."""
     ct = CostTable({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 2.0, 32: 4.0, 64: 8.0, 128: 16.0})
-    s = Algorithm1(ct)
+    s = Algorithm1(ct, control_every=None)
     good = Z([[0.9] * 7])
     for _ in range(20):  # one user: drafting pays
         s.schedule(good, [7])
@@ -546,7 +547,7 @@ def test_realized_gain_stops_drafting_the_model_thought_paid():
     rounds as measured say a verifying round took 2.5x a plain one for 2x the tokens.  From the 8th such round the
     scheduler backs off (skips with probes), and resumes once the verifying rounds pay on average."""
     ct = CostTable({16: 1.0, 32: 1.2, 64: 1.6})
-    s = Algorithm1(ct, refresh_every=3, online_calibration=False)
+    s = Algorithm1(ct, refresh_every=3, online_calibration=False, control_every=None)
     sure = Z([[0.95] * 3] * 16)
     for _ in range(4):  # plain rounds: 16 tokens in 1.0 s
         s.observe_round(0, 0.0, 16, 1.0, 1.0)
@@ -602,3 +603,43 @@ def test_live_price_per_round_shape():
     assert s.live.target_price(ct, 2)(4) == pytest.approx(s.live.scale * 1.6)  # 2 requests: never measured
     assert s.live.target_price(ct, 1, base=8)(8) == pytest.approx(1.0 * 4.0 / 2.4)  # beside 8 tokens of other work
     assert s.live.to_dict()["target_ms"]["1"] == {"1": 1000.0, "8": 1000.0}
+
+
+def test_control_rounds_measure_a_plain_round():
+    """Drafting is judged against a plain round of the same number of requests (realized gain, live price).  Where
+    drafting has run and no plain round of R requests was measured within ``control_every`` rounds, the next round
+    that would draft runs plain instead and is measured.  Here the profile prices 8 tokens like 4 (flat), so without
+    a measured plain round of 4 requests the model prices a plain round near a verifying one and drafting looks like
+    a gain of ~1.8 (2 tokens per request per round); measured, a plain round takes 0.6 s against 1.0 s: 1.2."""
+    ct = CostTable({4: 1.0, 8: 1.0, 16: 1.6})
+    s = Algorithm1(ct, refresh_every=3, online_calibration=False, control_every=4)
+    sure = Z([[0.95] * 3] * 4)
+
+    def verifying_round():
+        depths = s.schedule(sure, [3] * 4)
+        s.observe_acceptance(depths, [1] * 4)  # 8 tokens per round
+        s.observe_round(4, 0.1, 4 + sum(depths), 0.9, 1.0)
+
+    assert s.draft_this_round(4)  # nothing measured: draft
+    verifying_round()
+    modelled = s.live.realized_gain(4)
+    assert modelled > 1.5
+    assert not s.draft_this_round(4) and s.control_rounds == 1  # drafting measured, a plain round not: control
+    s.observe_round(0, 0.0, 4, 0.55, 0.6)
+    assert s.live.plain_s[4] == pytest.approx(0.6)
+    decisions = []
+    for _ in range(10):
+        d = s.draft_this_round(4)
+        decisions.append(d)
+        if d:
+            verifying_round()
+        else:
+            s.observe_round(0, 0.0, 4, 0.55, 0.6)
+    assert decisions[:5] == [True] * 4 + [False]  # a control round once 4 drafted rounds passed without one
+    assert decisions[5:] == [True] * 4 + [False] and s.control_rounds == 3
+    assert s.live.realized_gain(4) < modelled and s.live.plain_s[4] == pytest.approx(0.6)
+    off = Algorithm1(ct, control_every=None)
+    off.draft_this_round(4)
+    depths = off.schedule(sure, [3] * 4)
+    off.observe_round(4, 0.1, 4 + sum(depths), 0.9, 1.0)
+    assert off.draft_this_round(4) and off.control_rounds == 0

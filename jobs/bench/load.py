@@ -297,7 +297,7 @@ def engine_stats(app: str) -> dict:
     return st if st.get("engine_timers") else {}
 
 
-SCHEDULER_STATE = ("live_cost", "model_skips", "skipped_drafts", "depth_hist", "sps")  # kept after each level
+SCHEDULER_STATE = ("live_cost", "model_skips", "control_rounds", "skipped_drafts", "depth_hist", "sps")  # kept after each level
 
 
 async def soak(url: str, model: str, app: str, args) -> dict:

@@ -142,6 +142,7 @@ class LiveRoundCost:
         self.scale = 1.0
         self.rounds = 0
         self.plain_s: dict = {}  # R -> EMA seconds of a round that drafted nothing
+        self.plain_at: dict = {}  # R -> the round count at the last round of R requests that drafted nothing
         self.target_by_shape: dict = {}  # R -> {B: EMA seconds of the target forward of R requests, B tokens}
         # gain_bucket(R) -> [verifying rounds, mean tokens per request, mean round seconds, mean plain-round seconds]
         self._verifying: dict = {}
@@ -156,6 +157,7 @@ class LiveRoundCost:
         if R > 0 and round_s > 0:
             if num_drafted == 0:
                 self.plain_s[R] = self._ema(self.plain_s.get(R), float(round_s))
+                self.plain_at[R] = self.rounds
             elif verified > 0:
                 plain = self.plain_s.get(R)
                 if plain is None:
@@ -204,6 +206,11 @@ class LiveRoundCost:
                 t = t0 + (t1 - t0) * (B - b0) / (b1 - b0)
             return t * table(base + B) / table(B) if base else t
         return price
+
+    def plain_stale(self, R: int, every: int) -> bool:
+        """True when drafting has been measured and a plain round of R requests has not, or not within the last
+        ``every`` rounds (the reference the realized gain and the live price of a plain round stand on)."""
+        return self.drafted_rounds > 0 and self.rounds - self.plain_at.get(int(R), -math.inf) > every
 
     def new_table(self) -> None:
         """The profiled table was replaced: the scale (relative to the old one) starts over."""
@@ -341,6 +348,12 @@ class _SharedHardware:
       that bound loses (a busy machine: a few more tokens per request cost nearly their full price), the round
       skips drafting without a probe; the bound rises as the load falls, so drafting resumes the first round it
       could pay.
+    * Control rounds: both verdicts compare with a plain round of the same R, which a replica that drafts in every
+      round never runs; the model's price for it then follows the profile's shape from the verifying rounds, and a
+      profile that prices 16 tokens like 8 makes drafting look like a gain it is not (measured at 8 users: the
+      realized gain read 1.25-1.39 while the throughput was 0.89x plain decoding).  So when drafting has run and no
+      plain round of R requests was measured within ``control_every`` rounds, the next round that would draft runs
+      plain instead and is measured (lossless: the decision uses past rounds only).
     """
 
     base_tokens: int = 0
@@ -351,7 +364,7 @@ class _SharedHardware:
     takes_round_budget = True
 
     def _init_shared(self, cost: CostTable, budget: int | None, refresh_every: int, max_skip: int,
-                     online_calibration: bool = True):
+                     online_calibration: bool = True, control_every: int | None = None):
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         if max_skip < refresh_every - 1:
@@ -371,6 +384,8 @@ class _SharedHardware:
         self.last_gain = None  # Θ(drafted) / Θ(plain) of the last drafted round
         self.best_survival = None  # [γ] EMA over drafted rounds of the highest survival a_{r,j} at each position j
         self.model_skips = 0  # rounds the bound said drafting could not pay (no probe spent)
+        self.control_every = None if control_every is None else int(control_every)
+        self.control_rounds = 0  # plain rounds run to measure a plain round of that many requests (control_every)
 
     def set_load(self, base_tokens: int, base_tau: float) -> None:
         self.base_tokens, self.base_tau = int(base_tokens), float(base_tau)
@@ -477,6 +492,9 @@ class _SharedHardware:
         if not idle or self.refresh_every == 1 or 2 * num_requests <= self._idle_requests:
             # drafting pays, no back-off, or the batch halved since the round that said no: look again now
             self._skipped, self._skip_len, self._idle_requests = 0, self.refresh_every - 1, 0
+            if self.control_every and self.live.plain_stale(num_requests, self.control_every):
+                self.control_rounds += 1  # a plain round, measured: what drafting is compared with
+                return False
             return True
         self._idle_requests = max(self._idle_requests, num_requests)
         if self._skipped < self._skip_len:
@@ -510,8 +528,8 @@ class Algorithm1(_SharedHardware, VerificationScheduler):
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, early_stop: bool = True,
                  budget: int | None = None, refresh_every: int = 4, max_skip: int = 31,
-                 online_calibration: bool = True, gain_ema: float | None = 0.1):
-        self._init_shared(cost, budget, refresh_every, max_skip, online_calibration)
+                 online_calibration: bool = True, gain_ema: float | None = 0.1, control_every: int | None = 32):
+        self._init_shared(cost, budget, refresh_every, max_skip, online_calibration, control_every)
         self.temperatures = temperatures
         self.early_stop = early_stop
         if gain_ema is not None and not 0 < gain_ema <= 1:
@@ -566,10 +584,10 @@ class AsyncCapacity(_SharedHardware, VerificationScheduler):
 
     def __init__(self, cost: CostTable, temperatures: Sequence[float] | None = None, lag: int = 2,
                  initial_capacity: int | None = None, refresh_every: int = 4, budget: int | None = None,
-                 max_skip: int = 31, online_calibration: bool = True):
+                 max_skip: int = 31, online_calibration: bool = True, control_every: int | None = 32):
         if lag < 1:
             raise ValueError("lag must be >= 1 (lag 0 would use the current tokens: lossy)")
-        self._init_shared(cost, budget, refresh_every, max_skip, online_calibration)
+        self._init_shared(cost, budget, refresh_every, max_skip, online_calibration, control_every)
         self.temperatures = temperatures
         self.lag = lag
         self.initial_capacity = initial_capacity
