@@ -577,10 +577,13 @@ def test_realized_gain_stops_drafting_the_model_thought_paid():
         verifying_round(3)
     assert not s.live.drafting_lost(16) and s.live.realized_gain(16) > 1
     assert s.live.to_dict()["realized_gain"]["16"][0] == 39
-    # a round that verified nothing (all depths 0) is not a measurement of verification
+    # a drafted round that verified nothing (all depths 0) counts: it paid for its drafts and gave one token each
+    before = s.live.realized_gain(16)
     s.observe_acceptance([0] * 16, [0] * 16)
     s.observe_round(16, 0.3, 16, 1.0, 1.3)
-    assert s.live.to_dict()["realized_gain"]["16"][0] == 39
+    assert s.live.to_dict()["realized_gain"]["16"][0] == 40 and s.live.realized_gain(16) < before
+    s.observe_round(0, 0.0, 16, 1.0, 1.0)  # a plain round is not a drafted one
+    assert s.live.to_dict()["realized_gain"]["16"][0] == 40
 
 
 def test_live_price_per_round_shape():

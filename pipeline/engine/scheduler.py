@@ -116,8 +116,8 @@ class LiveRoundCost:
         the next); an R never measured gets the profile at ``scale`` (``target_price``);
       * scale = measured / profiled target step time over all rounds (an EMA), so a table profiled on a quieter or
         busier machine is corrected to today's speed without changing its shape;
-      * what drafting actually gave, per R: the realized gain = tokens per second of the rounds that verified drafts
-        ÷ those of a plain round of the same R (a measured plain round of that R when there is one, else the
+      * what drafting actually gave, per R: the realized gain = tokens per second of the rounds that drafted (those
+        that then verified nothing included: they paid for the drafts) ÷ those of a plain round of the same R (a measured plain round of that R when there is one, else the
         model's), as a ratio of averaged tokens and seconds (a running mean over the first 1/gain_alpha verifying
         rounds, then an EMA), trusted from ``min_gain_rounds`` rounds on: one round's accepted count is too noisy
         (0..γ) to judge by.  The model prices a round by its token count B alone, but a ragged verification batch (a
@@ -144,8 +144,8 @@ class LiveRoundCost:
         self.plain_s: dict = {}  # R -> EMA seconds of a round that drafted nothing
         self.plain_at: dict = {}  # R -> the round count at the last round of R requests that drafted nothing
         self.target_by_shape: dict = {}  # R -> {B: EMA seconds of the target forward of R requests, B tokens}
-        # gain_bucket(R) -> [verifying rounds, mean tokens per request, mean round seconds, mean plain-round seconds]
-        self._verifying: dict = {}
+        # gain_bucket(R) -> [drafted rounds, mean tokens per request, mean round seconds, mean plain-round seconds]
+        self._drafted: dict = {}
 
     def _ema(self, old: float | None, new: float) -> float:
         return ema(old, new, self.alpha)
@@ -158,11 +158,11 @@ class LiveRoundCost:
             if num_drafted == 0:
                 self.plain_s[R] = self._ema(self.plain_s.get(R), float(round_s))
                 self.plain_at[R] = self.rounds
-            elif verified > 0:
+            else:  # a drafted round, whatever it verified: one that admitted nothing paid for its drafts too
                 plain = self.plain_s.get(R)
                 if plain is None:
                     plain = self.scale * cost.step_time(R) + self.overhead_s
-                v = self._verifying.setdefault(gain_bucket(R), [0, 0.0, 0.0, 0.0])
+                v = self._drafted.setdefault(gain_bucket(R), [0, 0.0, 0.0, 0.0])
                 v[0] += 1
                 w = max(1.0 / v[0], self.gain_alpha)
                 for i, x in ((1, (R + int(accepted)) / R), (2, float(round_s)), (3, plain)):
@@ -217,15 +217,15 @@ class LiveRoundCost:
         self.scale, self.rounds = 1.0, 0
 
     def drafting_lost(self, R: int) -> bool:
-        """True when the verifying rounds of about R requests measured so far (at least ``min_gain_rounds``) gave
+        """True when the drafted rounds of about R requests measured so far (at least ``min_gain_rounds``) gave
         under ``loss_margin`` x the tokens per second of plain rounds (fewer observed: False, the model decides)."""
-        v = self._verifying.get(gain_bucket(R))
+        v = self._drafted.get(gain_bucket(R))
         return v is not None and v[0] >= self.min_gain_rounds and self.realized_gain(R) < self.loss_margin
 
     def realized_gain(self, R: int) -> float | None:
-        """Tokens/s of the verifying rounds of about R requests (``gain_bucket``) ÷ a plain round's (None before
+        """Tokens/s of the drafted rounds of about R requests (``gain_bucket``) ÷ a plain round's (None before
         any): averaged tokens per request per round x averaged plain-round seconds ÷ averaged round seconds."""
-        v = self._verifying.get(gain_bucket(R))
+        v = self._drafted.get(gain_bucket(R))
         return None if v is None else v[1] * v[3] / v[2]
 
     def draft_seconds(self, R: int, best: bool = False) -> float:
@@ -252,7 +252,7 @@ class LiveRoundCost:
                 "target_ms": {str(r): {str(b): round(t * 1e3, 2) for b, t in sorted(d.items())}
                               for r, d in sorted(self.target_by_shape.items())},  # R -> B -> ms
                 "realized_gain": {str(k): [v[0], round(self.realized_gain(k), 4)] for k, v in
-                                  sorted(self._verifying.items())}}  # bucket -> [rounds, gain]
+                                  sorted(self._drafted.items())}}  # bucket -> [rounds, gain]
 
 
 # ----------------------------------------------------------------------------------------------------- schedulers
@@ -335,7 +335,7 @@ class _SharedHardware:
       overhead + draft(R)), with the drafting cost, engine overhead and the target forward per round shape measured
       live (``LiveRoundCost.target_price``).
     * Whether to draft at all: after each drafted round the scheduler compares the best Θ it found with the
-      throughput of a plain decoding round, (τ_0 + R) / (target_R(B_0 + R) + overhead), and the verifying rounds
+      throughput of a plain decoding round, (τ_0 + R) / (target_R(B_0 + R) + overhead), and the drafted rounds
       of R requests so far with the plain rounds, as measured (``LiveRoundCost.realized_gain``).  When drafting did
       not pay by either, the next rounds skip drafting (one token per request, no drafter cost), and a probe round
       drafts again after ``refresh_every - 1`` skipped rounds, doubling while probes keep saying no (up to
