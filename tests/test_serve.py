@@ -139,10 +139,12 @@ def reference(target_dir):
     from pipeline.engine.engine import SpeculativeEngine
     from pipeline.data.prompts import chat_prompt_ids, end_of_turn_ids
     from pipeline.ops.sampling import SamplingParams
-    from pipeline.engine.target_runner import TargetRunner
+    from pipeline.engine.target_runner import TargetRunner, auto_precision
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    runner = TargetRunner.from_pretrained(str(target_dir), dtype="float32")
+    # the replicas' --dtype auto: bfloat16:invariant where its kernels run (whose linears may round their inputs to
+    # bf16: the native dot products), else float32
+    runner = TargetRunner.from_pretrained(str(target_dir), dtype=auto_precision("cpu"))
     eos = set(runner.config.eos_token_ids) | set(end_of_turn_ids(tok))
     eng = SpeculativeEngine(runner, None, None, tokenizer=tok, eos_token_ids=eos)
 
