@@ -297,7 +297,8 @@ def engine_stats(app: str) -> dict:
     return st if st.get("engine_timers") else {}
 
 
-SCHEDULER_STATE = ("live_cost", "model_skips", "control_rounds", "skipped_drafts", "depth_hist", "sps")  # kept after each level
+# the load-aware scheduler's state kept after each level
+SCHEDULER_STATE = ("live_cost", "model_skips", "control_rounds", "skipped_drafts", "depth_hist", "sps")
 
 
 async def soak(url: str, model: str, app: str, args) -> dict:

@@ -117,9 +117,9 @@ class LiveRoundCost:
       * scale = measured / profiled target step time over all rounds (an EMA), so a table profiled on a quieter or
         busier machine is corrected to today's speed without changing its shape;
       * what drafting actually gave, per R: the realized gain = tokens per second of the rounds that drafted (those
-        that then verified nothing included: they paid for the drafts) ÷ those of a plain round of the same R (a measured plain round of that R when there is one, else the
-        model's), as a ratio of averaged tokens and seconds (a running mean over the first 1/gain_alpha verifying
-        rounds, then an EMA), trusted from ``min_gain_rounds`` rounds on: one round's accepted count is too noisy
+        that then verified nothing included: they paid for the drafts) ÷ those of a plain round of the same R (a
+        measured plain round of that R when there is one, else the model's), as a ratio of averaged tokens and
+        seconds (a running mean over the first 1/gain_alpha drafted rounds, then an EMA), trusted from ``min_gain_rounds`` rounds on: one round's accepted count is too noisy
         (0..γ) to judge by.  The model prices a round by its token count B alone, but a ragged verification batch (a
         few deep rows among many single-token ones) pads its attention to R x max depth, so it costs more than the
         table's price for its B (measurements: docs/results/load_test.md).  The realized gain tells the schedulers
