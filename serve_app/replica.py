@@ -187,9 +187,11 @@ def engine_executor(threads: int) -> ThreadPoolExecutor:
 
 
 class EngineReplica:
-    """The engine deployment class (decorated below).  Constructor arg: ``ReplicaOptions`` as a dict."""
+    """The engine deployment class (decorated below).  Constructor args: ``ReplicaOptions`` as a dict, and (outside
+    Serve only: a benchmark driving several replicas in one process) an engine thread to share, which the replica
+    then neither owns nor shuts down."""
 
-    def __init__(self, options: dict):
+    def __init__(self, options: dict, executor: ThreadPoolExecutor | None = None):
         apply_env()
         from transformers import AutoTokenizer
 
@@ -207,7 +209,8 @@ class EngineReplica:
         # worker pool of its own; libgomp, then counting more threads than CPUs, all but stops spinning between
         # parallel regions, and each of the hundreds of regions of a forward waits for a sleeping worker, which makes
         # every token markedly slower (measurements: docs/results/load_test.md).
-        self._executor = engine_executor(int(opts.threads) if opts.threads else torch.get_num_threads())
+        self._owns_executor = executor is None
+        self._executor = executor or engine_executor(int(opts.threads) if opts.threads else torch.get_num_threads())
         self.init_stage = "starting"
         try:
             self._executor.submit(self._build_engine).result(timeout=opts.init_timeout_s)
@@ -215,7 +218,8 @@ class EngineReplica:
             msg = (f"engine replica {self.replica_id} did not initialize within {opts.init_timeout_s:g} s "
                    f"(--replica-init-timeout-s); it was {self.init_stage}")
             logger.error(msg)
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            if self._owns_executor:
+                self._executor.shutdown(wait=False, cancel_futures=True)
             raise ReplicaInitTimeout(msg) from None
         self.load_s = time.perf_counter() - t0
 
@@ -395,13 +399,15 @@ class EngineReplica:
                 await task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
     def __del__(self):
         try:
             if self._task is not None:
                 self._task.cancel()
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            if self._owns_executor:
+                self._executor.shutdown(wait=False, cancel_futures=True)
         except Exception:
             pass
 

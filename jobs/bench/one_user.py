@@ -231,14 +231,13 @@ def run(args, harness) -> dict:
     per_unit = args.batch * args.requests_per_stream
     batches = [[prompts[(i + j) % len(prompts)] for j in range(per_unit)] for i in range(0, len(prompts), per_unit)]
     result = {}
-    import serve_app.replica as replica_module
-    from serve_app.replica import EngineReplica
+    from serve_app.replica import EngineReplica, engine_executor
 
     # every torch computation of both levels on ONE engine thread (the replicas take turns on it): a second thread
     # that runs OpenMP regions gets a worker pool of its own, and libgomp, then counting more threads than CPUs,
     # slows every parallel region of all of them -- which a Serve replica, one process with one engine thread, does
     # not pay (a replica level after an engine level on the main thread: 38 instead of 27 ms per 1-row forward)
-    own_executor, shared = replica_module.engine_executor, replica_module.engine_executor(args.threads)
+    shared = engine_executor(args.threads)
 
     def engine_level() -> dict:
         runner = TargetRunner.from_pretrained(target, dtype=args.dtype, device="cpu", max_seq_len=2048)
@@ -266,12 +265,11 @@ def run(args, harness) -> dict:
         result["engine"] = shared.submit(engine_level).result()
 
     if "replica" in args.level:
-        replica_module.engine_executor = lambda threads: shared
         mb = max(8, args.batch)  # the replica's default max_batch, or room for all the streams
         common = dict(target=target, threads=args.threads, max_batch=mb, dtype=args.dtype,
                       stream_interval=args.stream_interval)
-        reps = {"none": EngineReplica(dict(common, scheduler="none"))}
-        reps.update({n: EngineReplica(dict(common, drafter=args.drafter, scheduler=n))
+        reps = {"none": EngineReplica(dict(common, scheduler="none"), executor=shared)}
+        reps.update({n: EngineReplica(dict(common, drafter=args.drafter, scheduler=n), executor=shared)
                      for n in systems_of(args) if n != "none"})
         systems = make_systems({n: r.engine for n, r in reps.items()}, {n: r.runner for n, r in reps.items()},
                                args.layouts)
@@ -303,6 +301,5 @@ def run(args, harness) -> dict:
             for r in reps.values():
                 loop.run_until_complete(r.aclose())
             loop.close()
-            replica_module.engine_executor = own_executor
     shared.shutdown()
     return result

@@ -119,12 +119,13 @@ class LiveRoundCost:
       * what drafting actually gave, per R: the realized gain = tokens per second of the rounds that drafted (those
         that then verified nothing included: they paid for the drafts) ÷ those of a plain round of the same R (a
         measured plain round of that R when there is one, else the model's), as a ratio of averaged tokens and
-        seconds (a running mean over the first 1/gain_alpha drafted rounds, then an EMA), trusted from ``min_gain_rounds`` rounds on: one round's accepted count is too noisy
-        (0..γ) to judge by.  The model prices a round by its token count B alone, but a ragged verification batch (a
-        few deep rows among many single-token ones) pads its attention to R x max depth, so it costs more than the
-        table's price for its B (measurements: docs/results/load_test.md).  The realized gain tells the schedulers
-        when drafting stopped paying: below ``loss_margin`` (0.9, a margin for the noise of a shared machine), per
-        batch size class (``gain_bucket``).
+        seconds (a running mean over the first 1/gain_alpha drafted rounds, then an EMA), trusted from
+        ``min_gain_rounds`` rounds on: one round's accepted count is too noisy (0..γ) to judge by.  The model
+        prices a round by its token count B alone, but a ragged verification batch (a few deep rows among many
+        single-token ones) pads its attention to R x max depth, so it costs more than the table's price for its B
+        (measurements: docs/results/load_test.md).  The realized gain tells the schedulers when drafting stopped
+        paying: below ``loss_margin`` (0.9, a margin for the noise of a shared machine), per batch size class
+        (``gain_bucket``).
 
     Round time (drafted): target_R(B) + overhead + draft(R); not drafted: target_R(R) + overhead.
     """

@@ -69,9 +69,10 @@ def kernel(in_features: int):
     return DOT.module.bf16_dot_linear if arithmetic(in_features) == "bf16" else EXT.module.bf16_linear
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32 -> [..., N] fp32; ``weight`` [N, K] contiguous bf16, ``bias`` [N] fp32 (see :func:`usable`)."""
-    y = kernel(weight.shape[1])(x.reshape(-1, x.shape[-1]).float().contiguous(), weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fn=None) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., N] fp32; ``weight`` [N, K] contiguous bf16, ``bias`` [N] fp32 (see :func:`usable`);
+    ``fn``: the kernel function when already chosen (``kernel``)."""
+    y = (fn or kernel(weight.shape[1]))(x.reshape(-1, x.shape[-1]).float().contiguous(), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -90,8 +91,7 @@ class InvariantLinear:
         self.fn = kernel(self.weight.shape[1])  # chosen once: every row count goes through the same kernel
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fn(x.reshape(-1, x.shape[-1]).float().contiguous(), self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.weight.shape[0])
+        return linear(x, self.weight, self.bias, self.fn)
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build ahead of the first use
