@@ -70,6 +70,7 @@ from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine.engine import SpecConfig, SpeculativeEngine
 from pipeline.data.prompts import end_of_turn_ids
 from pipeline.core.runtime import apply_env
+from pipeline.ops.packed_linear import use_bf16_kernel
 from pipeline.ops.sampling import SamplingParams
 from pipeline.engine.cost_table import CostTable, ProfileSpec, load_or_profile_cost_table
 from pipeline.engine.scheduler import FixedDepth, make_load_aware_scheduler
@@ -260,6 +261,8 @@ class EngineReplica:
         if opts.speculative:
             self.init_stage = f"loading the drafter {opts.drafter}"
             drafter = load_drafter(opts.drafter, opts.target, dtype=self.runner.dtype, device=self.runner.device)
+            if self.runner.linear_backend == "invariant":  # the drafter's linears on the target's bf16 kernel too
+                use_bf16_kernel(drafter)
             spec = SpecConfig(method=drafter.cfg.kind, num_speculative_tokens=opts.num_speculative_tokens,
                               draft_sample_method=opts.draft_sample_method, seed=opts.seed)
             cap = spec.resolve(drafter.cfg.block_size)  # ValueError naming the bound

@@ -82,6 +82,27 @@ def test_bf16_linear_refuses_what_it_cannot_compute():
         bf16_linear.EXT.module.bf16_linear(torch.randn(2, 16), torch.randn(4, 16), None)
 
 
+@needs_linear
+def test_a_trained_linear_can_infer_on_the_bf16_kernel():
+    """use_bf16_kernel (the drafter beside a bfloat16:invariant target): no-grad fp32 inference through the kernel on
+    a bf16 copy of the weight, refreshed when the weight changes; autograd (training) keeps F.linear on fp32."""
+    from pipeline.ops.packed_linear import Linear, use_bf16_kernel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(Linear(64, 96), Linear(96, 24, bias=False), Linear(24, 8))
+    assert use_bf16_kernel(net) == 2  # 24 input features: not a multiple of 16, stays as it was
+    assert [m.bf16_kernel for m in net] == [True, True, False]
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        w16 = net[0].weight.bfloat16()
+        assert torch.equal(net[0](x), bf16_linear.linear(x, w16, net[0].bias))
+        net[0].weight.mul_(2)  # an optimizer step bumps the version: the bf16 copy follows
+        assert torch.equal(net[0](x), bf16_linear.linear(x, net[0].weight.bfloat16(), net[0].bias))
+    y = net[0](x)  # autograd on: the fp32 weights, F.linear
+    assert y.requires_grad and torch.equal(y, F.linear(x, net[0].weight, net[0].bias))
+    assert use_bf16_kernel(net) == 0  # already switched
+
+
 def _paged_case(H, KVH, hd, lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     nb = sum(-(-n // pa.BLOCK) for n in lens) + 3

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.dspark.checkpoint import load_drafter
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.eval.evaluation import resolve_drafter_dtype
+from pipeline.eval.evaluation import drafter_bf16_linears, load_drafter_for, resolve_drafter_dtype
+from pipeline.ops.packed_linear import use_bf16_kernel
 from pipeline.core.runtime import torch_threads
 from pipeline.ops.sampling import SamplingParams
 from pipeline.data.target_model import resolve_target
@@ -59,14 +59,17 @@ def add_arguments(ap) -> None:
 def build_drafter(args, target):
     dtype = resolve_drafter_dtype(args.drafter_dtype, args.dtype, "cpu")
     if args.drafter:
-        return load_drafter(args.drafter, str(target), dtype=dtype)
+        return load_drafter_for(args.drafter, str(target), args.drafter_dtype, args.dtype)
     tw = load_target_weights(str(target))
     cfg = build_drafter_config(TrainConfig(), target, dflash_layer_ids(tw.num_layers), args.draft_vocab)
     torch.manual_seed(0)
     m = DSparkDrafter(cfg)
     m.set_draft_vocab(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values)
     m.load_frozen(tw.embed, tw.lm_head)
-    return m.to(dtype)
+    m = m.to(dtype)
+    if drafter_bf16_linears(args.drafter_dtype, args.dtype, "cpu"):
+        use_bf16_kernel(m)
+    return m
 
 
 def run(args, harness) -> dict:

@@ -14,9 +14,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine.engine import SpecConfig, SpeculativeEngine
-from pipeline.eval.evaluation import load_benchmark, resolve_drafter_dtype
+from pipeline.eval.evaluation import load_benchmark, load_drafter_for
 from pipeline.core.runtime import cpu_has_native_bf16, torch_threads
 from pipeline.ops.sampling import SamplingParams
 from pipeline.engine.cost_table import CostTable
@@ -53,7 +52,7 @@ def run(args, harness) -> dict:
     if not prompts:
         raise SystemExit(f"--prompts {args.prompts}: no usable prompt")
     runner = TargetRunner.from_pretrained(str(target), dtype, device="cpu")
-    drafter = load_drafter(args.drafter, str(target), dtype=resolve_drafter_dtype("auto", dtype, "cpu")).eval()
+    drafter = load_drafter_for(args.drafter, str(target), "auto", dtype).eval()
     if not drafter.cfg.enable_confidence_head:
         raise SystemExit(f"--drafter {args.drafter}: no confidence head, Algorithm 1 needs one")
     cost = CostTable.profile(runner)

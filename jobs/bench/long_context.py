@@ -52,12 +52,12 @@ from pipeline.core.runtime import torch_threads
 from pipeline.data.long_context import build_suite, write_suite
 from pipeline.data.prompts import chat_prompt_ids
 from pipeline.data.target_model import resolve_target
-from pipeline.dspark.checkpoint import load_drafter
 from pipeline.dspark.markov_head import NoHead
 from pipeline.engine.cost_table import CostTable, ProfileSpec, load_or_profile_cost_table
 from pipeline.engine.engine import SpecConfig, SpeculativeEngine
 from pipeline.engine.target_runner import TargetRunner, auto_precision
-from pipeline.eval.evaluation import load_benchmark, resolve_drafter_dtype, vllm_baseline_dtypes
+from pipeline.eval.evaluation import (drafter_precision_name, load_benchmark, load_drafter_for,
+                                      vllm_baseline_dtypes)
 from pipeline.ops.sampling import SamplingParams
 
 NAME = "long_context"
@@ -361,15 +361,15 @@ def run(args, harness) -> dict:
     runner = TargetRunner.from_pretrained(str(target), dtype=dtype, device="cpu")
     longest_prompt = max((p for ps in prompts.values() for p in ps), key=len)
     longest = len(longest_prompt)
-    drafter_dtype = resolve_drafter_dtype(args.drafter_dtype, dtype, "cpu")
-    drafter = load_drafter(args.drafter, str(target), dtype=drafter_dtype, device="cpu")
+    drafter_dtype = drafter_precision_name(args.drafter_dtype, dtype, "cpu")
+    drafter = load_drafter_for(args.drafter, str(target), args.drafter_dtype, dtype)
     cap = int(drafter.cfg.block_size)
     if longest + args.max_new_tokens + cap + 1 > runner.max_seq_len:
         raise SystemExit(f"a {longest}-token prompt + {args.max_new_tokens} new tokens + a verification block "
                          f"exceed the target's {runner.max_seq_len} positions; lower --max-new-tokens")
     timer = DraftTimer(drafter)
     print(f"target {target.name} ({dtype}, {runner.kv_layout} KV cache), drafter {args.drafter} "
-          f"({str(drafter_dtype).removeprefix('torch.')}, γ = {cap}), {args.threads} threads, greedy, "
+          f"({drafter_dtype}, γ = {cap}), {args.threads} threads, greedy, "
           f"{args.max_new_tokens} new tokens", flush=True)
 
     engines = {}  # name -> (engine, draft timer or None)
@@ -386,8 +386,7 @@ def run(args, harness) -> dict:
         engines["dspark@hardware"] = (SpeculativeEngine(runner, drafter, SpecConfig(
             method="dspark", scheduler="hardware", cost_table=cost), tokenizer=tok), timer)
     if not args.no_markov_ablation:
-        plain_drafter = without_markov_head(load_drafter(args.drafter, str(target), dtype=drafter_dtype,
-                                                         device="cpu"))
+        plain_drafter = without_markov_head(load_drafter_for(args.drafter, str(target), args.drafter_dtype, dtype))
         engines["dspark-nomarkov"] = (SpeculativeEngine(runner, plain_drafter, SpecConfig(
             method="dflash", scheduler="fixed"), tokenizer=tok), DraftTimer(plain_drafter))
     engines["plain"] = (SpeculativeEngine(runner, None, SpecConfig(), tokenizer=tok), None)
@@ -496,7 +495,7 @@ def run(args, harness) -> dict:
                       ["length", "window", "τ", "draft ms", "ctx ms", "decode tok/s"], rows)
 
     results = {"target": str(target), "dtype": dtype, "kv_layout": runner.kv_layout, "drafter": str(args.drafter),
-               "drafter_dtype": str(drafter_dtype).removeprefix("torch."), "block_size": cap,
+               "drafter_dtype": drafter_dtype, "block_size": cap,
                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "systems": systems,
                "suite": suite_info, "by_length": by_length, "windows": window_study,
                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

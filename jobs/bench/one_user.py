@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 import torch
 
 from jobs.bench.load import add_prompt_arguments, load_prompts, random_drafter
-from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine.cost_table import ProfileSpec, load_or_profile_cost_table
 from pipeline.engine.engine import SpecConfig, SpeculativeEngine
 from pipeline.engine.scheduler import make_load_aware_scheduler
-from pipeline.eval.evaluation import resolve_drafter_dtype
+from pipeline.eval.evaluation import load_drafter_for
 from pipeline.data.prompts import chat_prompt_ids, end_of_turn_ids
 from pipeline.ops.sampling import SamplingParams
 from pipeline.data.target_model import resolve_target
@@ -242,8 +241,7 @@ def run(args, harness) -> dict:
     def engine_level() -> dict:
         runner = TargetRunner.from_pretrained(target, dtype=args.dtype, device="cpu", max_seq_len=2048)
         eos = set(runner.config.eos_token_ids) | set(end_of_turn_ids(tok))
-        d = load_drafter(args.drafter, target, dtype=resolve_drafter_dtype("auto", args.dtype, "cpu"),
-                         device=runner.device)
+        d = load_drafter_for(args.drafter, target, "auto", args.dtype)
         cost, _, _ = load_or_profile_cost_table(runner, ProfileSpec(target=str(target), dtype=args.dtype),
                                                 d.cfg.block_size + 1)
         specs = {"fixed": SpecConfig(method=d.cfg.kind, scheduler="fixed"),

@@ -22,6 +22,8 @@ from pipeline.dspark.checkpoint import load_drafter
 from pipeline.engine.engine import SpecConfig, SpeculativeEngine
 from pipeline.data.prompts import DEFAULT_PROMPTS, chat_prompt_ids, read_prompt_files
 from pipeline.core.runtime import cpu_has_native_bf16, resolve_device, torch_threads
+from pipeline.ops import bf16_linear
+from pipeline.ops.packed_linear import use_bf16_kernel
 from pipeline.ops.sampling import SamplingParams
 from pipeline.engine.scheduler import SCHEDULERS
 from pipeline.engine.cost_table import CostTable
@@ -74,7 +76,8 @@ class EvalConfig:
                                                                         if b != "invariant")]})
     drafter_dtype: str = field(default="auto", metadata={
         "help": "drafter precision: auto = bfloat16 when --spec-dtype is bfloat16 and the device computes bf16 "
-                "natively (a GPU, or a CPU with avx512_bf16 / AMX: packed bf16 weights), else float32.  Only the "
+                "natively (a GPU, or a CPU with avx512_bf16 / AMX: packed bf16 weights); with bfloat16:invariant, "
+                "float32 with its linear layers on the target's bf16-weight kernel; else float32.  Only the "
                 "proposals depend on it; acceptance uses the fp32 probabilities the drafts were sampled from",
         "choices": ["auto", "float32", "bfloat16"]})
     baseline_dtypes: list[str] = field(default_factory=lambda: ["float32", "float32:packed", "float32:mkl",
@@ -199,6 +202,26 @@ def resolve_drafter_dtype(choice: str, spec_dtype: str, device: str) -> torch.dt
     return torch.bfloat16 if spec_dtype.split(":")[0] in ("bfloat16", "bf16") and native else torch.float32
 
 
+def drafter_bf16_linears(choice: str, spec_dtype: str, device: str) -> bool:
+    """--drafter-dtype auto with a ``bfloat16:invariant`` target on a CPU: the fp32 drafter's linear layers run
+    through the target's bf16-weight kernel (pipeline/ops/packed_linear.py ``use_bf16_kernel``), where it loads."""
+    return choice == "auto" and spec_dtype.endswith(":invariant") and device == "cpu" and bf16_linear.available()
+
+
+def load_drafter_for(path, target: str, choice: str, spec_dtype: str, device: str = "cpu"):
+    """The drafter at ``path`` in the precision --drafter-dtype ``choice`` gives it beside a ``spec_dtype`` target."""
+    d = load_drafter(path, target, dtype=resolve_drafter_dtype(choice, spec_dtype, device), device=device)
+    if drafter_bf16_linears(choice, spec_dtype, device):
+        use_bf16_kernel(d)
+    return d
+
+
+def drafter_precision_name(choice: str, spec_dtype: str, device: str) -> str:
+    """How the drafter computes, for reports: ``float32``, ``bfloat16`` or ``float32, bf16 linears``."""
+    name = str(resolve_drafter_dtype(choice, spec_dtype, device)).removeprefix("torch.")
+    return f"{name}, bf16 linears" if drafter_bf16_linears(choice, spec_dtype, device) else name
+
+
 def planned_systems(cfg: EvalConfig, drafters: list[tuple[str, bool]]) -> list[str]:
     """The names of the systems `run_evaluation` will run for `drafters` ([(label, has a confidence head)]), in its
     order: this engine's baselines, vLLM's plain decoding, then each drafter under its schedulers."""
@@ -259,14 +282,13 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
     systems += [(f"vllm-{dt}", plain_decoder(target, dt, longest + cfg.max_new_tokens), 0) for dt in vllm_dtypes]
     ref_name = f"baseline-{cfg.spec_dtype}"  # lossless = same tokens as the target in the SAME precision
     scheduler_of = {}
-    drafter_dtype = resolve_drafter_dtype(cfg.drafter_dtype, cfg.spec_dtype, device)
     loaded = {}
     labels = [label for label, _ in drafters]
     unknown = [x for x in cfg.no_bias_cache if x not in labels]
     if unknown:
         raise ValueError(f"--no-bias-cache: {', '.join(unknown)} is not a --drafter label ({', '.join(labels)})")
     for label, path in drafters:
-        d = loaded[label] = load_drafter(path, str(target), dtype=drafter_dtype, device=device)
+        d = loaded[label] = load_drafter_for(path, str(target), cfg.drafter_dtype, cfg.spec_dtype, device)
         if label in cfg.no_bias_cache:
             d.markov_head.bias_cache = None
         for i, sch in enumerate(drafter_schedulers(cfg, bool(d.cfg.enable_confidence_head))):
@@ -280,7 +302,7 @@ def run_evaluation(cfg: EvalConfig, plain_decoder=None) -> dict:
             systems.append((name, eng, eng.num_speculative_tokens))
     results = {"config": json.loads(json.dumps(cfg.__dict__, default=str)),
                "target": str(target), "systems": [s[0] for s in systems], "scheduler_of": scheduler_of,
-               "drafter_dtype": str(drafter_dtype).removeprefix("torch."),
+               "drafter_dtype": drafter_precision_name(cfg.drafter_dtype, cfg.spec_dtype, device),
                "benchmarks": {}}
     all_records = {name: [] for name, _, _ in systems}
     mismatches = {name: 0 for name, _, _ in systems}

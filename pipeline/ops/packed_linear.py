@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.ops import small_m_linear
+from pipeline.ops import bf16_linear, small_m_linear
 from pipeline.core.runtime import cpu_has_native_bf16
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the packed layout for; any row count works
@@ -182,12 +182,18 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._packed = None
         self._packed_key = None
+        self.bf16_kernel = False  # use_bf16_kernel: fp32 inference through pipeline/ops/bf16_linear.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (torch.is_grad_enabled() or w.device.type != "cpu" or w.dtype not in _PACKED_DTYPES or x.dtype != w.dtype
                 or not _AVAILABLE):
             return F.linear(x, w, self.bias)
+        if self.bf16_kernel and w.dtype == torch.float32:
+            key = (w.data_ptr(), w._version)
+            if self._packed_key != key:  # the bf16 copy stands in for the packed one
+                self._packed, self._packed_key = bf16_linear.InvariantLinear(w.detach(), self.bias), key
+            return self._packed(x)
         if (x.numel() <= small_m_linear.MAX_ROWS * x.shape[-1] and w.dtype == torch.float32
                 and small_m_linear.usable(w) and kernel_wins_few_rows()):
             return small_m_linear.linear(x, w, self.bias)  # reads the weight itself: nothing to re-pack
@@ -195,6 +201,21 @@ class Linear(nn.Linear):
         if self._packed_key != key:
             self._packed, self._packed_key = pack(w), key
         return packed_linear(x, self._packed, self.bias)
+
+
+def use_bf16_kernel(module: nn.Module) -> int:
+    """Run every fp32 :class:`Linear` under ``module`` whose shape the kernel takes through pipeline/ops/bf16_linear.py
+    at inference (a bf16 copy of the weight beside the fp32 one; training is unchanged).  On a CPU with native bf16
+    dot products a drafting round's linears then cost about half their fp32 time while norms, attention, the
+    residual stream and the logits stay fp32 (measurements: docs/results/load_test.md).  Returns how many layers
+    switched (0 where the kernel is unavailable)."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and not m.bf16_kernel and m.in_features % bf16_linear.MULTIPLE == 0 \
+                and bf16_linear.available():
+            m.bf16_kernel, m._packed, m._packed_key = True, None, None
+            n += 1
+    return n
 
 
 def forget_packed(module: nn.Module) -> int:
