@@ -50,10 +50,10 @@ fi
 "$VENV/bin/python" -m jobs.prepare_target >/dev/null
 
 # 4. The CPU kernels (pipeline/ops/extensions.py), each built once per source version (~30-40 s each): the small-M
-#    fp32 linear (AVX2), the two bf16-weight linears (AVX-512; AVX512_BF16) and the paged attention
-#    (AVX-512).  Where one cannot be built or run the engine keeps its other back ends, so this step never fails
+#    fp32 linear (AVX2), the two bf16-weight linears (AVX-512; AVX512_BF16), the paged attention and the fused
+#    layer operations (AVX-512).  Where one cannot be built or run the engine keeps its other back ends, so this step never fails
 #    set-up.
-for k in small_m_linear bf16_linear paged_attention; do
+for k in small_m_linear bf16_linear paged_attention layer_ops; do
   "$VENV/bin/python" -m "pipeline.ops.$k" || echo "[setup] $k kernel not built (optional)"
 done
 echo "[setup] ready: $VENV"

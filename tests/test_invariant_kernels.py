@@ -1,5 +1,5 @@
-"""The batch-invariant CPU kernels (AVX-512): the bf16-weight linear (pipeline/ops/bf16_linear.py) and the paged
-attention (pipeline/ops/paged_attention.py).
+"""The batch-invariant CPU kernels (AVX-512): the bf16-weight linear (pipeline/ops/bf16_linear.py), the paged
+attention (pipeline/ops/paged_attention.py) and the fused layer operations (pipeline/ops/layer_ops.py).
 
 Invariance is bitwise: an M-row product equals M 1-row products, for every M across the kernel's tile remainders,
 on 1 and on 2 threads; a query row attends identically whatever other rows share the call.  Accuracy: both agree
@@ -11,10 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.ops import bf16_linear, paged_attention as pa
+from pipeline.ops import bf16_linear, layer_ops, paged_attention as pa
+from pipeline.ops.layers import apply_rope, rms_norm
 
 needs_linear = pytest.mark.skipif(not bf16_linear.available(),
                                   reason=f"no bf16-weight kernel here: {bf16_linear.unavailable_reason()}")
+needs_layer_ops = pytest.mark.skipif(not layer_ops.available(),
+                                     reason=f"no fused layer operations here: {layer_ops.unavailable_reason()}")
 needs_attention = pytest.mark.skipif(not pa.available(),
                                      reason=f"no paged attention kernel here: {pa.unavailable_reason()}")
 
@@ -143,3 +146,50 @@ def test_paged_attention_refuses_bad_layouts():
     with pytest.raises(RuntimeError, match="head dim"):
         pa.paged_attention(q[..., :32].contiguous(), kb[:, :, :32].contiguous(), vb[..., :32].contiguous(), tables,
                            rr, rp, 0.125)
+
+
+@needs_layer_ops
+def test_fused_norms_are_batch_invariant_and_match_torch():
+    g = torch.Generator().manual_seed(3)
+    x, y, w = torch.randn(40, 576, generator=g), torch.randn(40, 576, generator=g), torch.randn(576, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            full = layer_ops.rms_norm(x, w, 1e-5)
+            s, n = layer_ops.add_rms_norm(x, y, w, 1e-5)
+            for m in (1, 7, 16, 17, 40):  # a call's row count (and its split over threads) changes no row
+                assert torch.equal(layer_ops.rms_norm(x[:m].contiguous(), w, 1e-5), full[:m])
+                sm, nm = layer_ops.add_rms_norm(x[:m].contiguous(), y[:m].contiguous(), w, 1e-5)
+                assert torch.equal(sm, s[:m]) and torch.equal(nm, n[:m])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(full, rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert torch.equal(s, x + y) and torch.allclose(n, rms_norm(x + y, w, 1e-5), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        layer_ops.rms_norm(torch.randn(2, 24), torch.randn(24), 1e-5)
+    with pytest.raises(RuntimeError, match="weight"):
+        layer_ops.rms_norm(x, torch.randn(64), 1e-5)
+
+
+@needs_layer_ops
+def test_fused_rope_writes_the_paged_cache():
+    """q with RoPE (bitwise torch's rotate-half formula), k with RoPE and v in each row's (block, offset)."""
+    g = torch.Generator().manual_seed(4)
+    H, KVH, hd, N = 9, 3, 64, 21
+    qkv = torch.randn(N, (H + 2 * KVH) * hd, generator=g)
+    f = (torch.arange(N) * 7).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
+    cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+    kb, vb = torch.zeros(8, KVH, hd, pa.BLOCK), torch.zeros(8, KVH, pa.BLOCK, hd)
+    blocks = torch.tensor([5] * 16 + [2] * 5)
+    offsets = torch.arange(N) % pa.BLOCK
+    q = layer_ops.rope_write_kv(qkv, cos, sin, kb, vb, blocks, offsets, H)
+    assert torch.equal(q, apply_rope(qkv[:, :H * hd].view(N, H, hd), cos[:, None], sin[:, None]))
+    k_ref = apply_rope(qkv[:, H * hd:(H + KVH) * hd].view(N, KVH, hd), cos[:, None], sin[:, None])
+    assert torch.equal(kb[blocks, :, :, offsets], k_ref)
+    assert torch.equal(vb[blocks, :, offsets, :], qkv[:, (H + KVH) * hd:].view(N, KVH, hd))
+    assert kb[[0, 1, 3, 4, 6, 7]].abs().sum() == 0  # nothing else written
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        layer_ops.rope_write_kv(qkv, cos, sin, kb, vb, blocks + 10, offsets, H)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        layer_ops.rope_write_kv(qkv, cos, sin, kb, vb, blocks, offsets, H + 1)

@@ -3,8 +3,10 @@
 Each repetition runs every entry of --dtypes in a fresh process (interleaved A B, B A, ...): a vLLM engine of that
 dtype (``float32``, ``bfloat16``), or this engine's plain decoding in that precision (``ours:<precision>``, e.g.
 ``ours:bfloat16:invariant``, as jobs.evaluate --spec-dtype: no drafter, the same batched engine the server runs).
-All see the same batch of N synthetic 100-token prompts x T new tokens (greedy, ignore_eos) after a 2-request warm-up;
-prints tok/s per run, the medians and the ratios to the first entry.
+All see the same batches of N synthetic 100-token prompts (greedy, ignore_eos) after a 2-request warm-up: one batch
+to 1 new token (its time: the prefill of N prompts), then a fresh batch to T new tokens (tok/s); the difference over
+T - 1 is the time of one decode round of N requests.  Prints tok/s, prefill seconds and round milliseconds per run,
+the medians and the ratios to the first entry.
 
     python -m jobs.bench vllm_dtype --batch 32 --tokens 64 --reps 2
     python -m jobs.bench vllm_dtype --dtypes ours:bfloat16:invariant,bfloat16 --batch 16 --tokens 64 --reps 3
@@ -12,6 +14,7 @@ prints tok/s per run, the medians and the ratios to the first entry.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -35,13 +38,27 @@ def add_arguments(ap) -> None:
     ap.add_argument("--reps", type=int, default=2)
 
 
-def prompt_ids(batch: int) -> list[list[int]]:
-    """The batch: distinct synthetic 100-token prompts."""
-    return [[1, 2, 3, 400 + i, 500 + i] * 20 for i in range(batch)]
+def prompt_ids(batch: int, first: int = 0) -> list[list[int]]:
+    """A batch of distinct synthetic 100-token prompts (``first``: the first one's number; no prompt shares a prefix
+    with another batch's, so a prefix cache does not shorten a prefill)."""
+    return [[1, 400 + i, 2, 3, 500 + i] * 20 for i in range(first, first + batch)]
 
 
-def our_generation_rate(precision: str, batch: int, tokens: int) -> float:
-    """Output tokens/s of this engine's plain decoding in ``precision`` (one batch, after a 2-request warm-up)."""
+def timed_batches(generate, batch: int, tokens: int) -> dict:
+    """``generate(prompts, max_tokens)``: a 2-request warm-up, a batch to 1 token, a fresh batch to ``tokens`` ->
+    {value: tok/s of the second, prefill_s: time of the first, round_ms: one decode round of the batch}."""
+    generate(prompt_ids(2, 10_000), tokens)
+    t = time.perf_counter()
+    generate(prompt_ids(batch, 0), 1)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    n = generate(prompt_ids(batch, batch), tokens)
+    tt = time.perf_counter() - t
+    return {"value": n / tt, "prefill_s": t1, "round_ms": (tt - t1) / max(1, tokens - 1) * 1e3}
+
+
+def our_generation_rate(precision: str, batch: int, tokens: int) -> dict:
+    """:func:`timed_batches` of this engine's plain decoding in ``precision``."""
     from pipeline.engine.engine import SpeculativeEngine
     from pipeline.engine.target_runner import TargetRunner
     from pipeline.ops.sampling import SamplingParams
@@ -49,60 +66,67 @@ def our_generation_rate(precision: str, batch: int, tokens: int) -> float:
     runner = TargetRunner.from_pretrained(str(resolve_target(None)), dtype=precision, device="cpu",
                                           max_seq_len=1024)
     engine = SpeculativeEngine(runner, None, max_model_len=1024)
-    prompts, sp = prompt_ids(batch), SamplingParams(temperature=0.0)
-    engine.generate(prompts[:2], sp, max_tokens=tokens, ignore_eos=True)
-    t = time.perf_counter()
-    out = engine.generate(prompts, sp, max_tokens=tokens, ignore_eos=True)
-    return sum(len(o.output_ids) for o in out) / (time.perf_counter() - t)
+    sp = SamplingParams(temperature=0.0)
+
+    def generate(prompts, max_tokens):
+        return sum(len(o.output_ids) for o in engine.generate(prompts, sp, max_tokens=max_tokens, ignore_eos=True))
+
+    return timed_batches(generate, batch, tokens)
 
 
-def generation_rate(dtype: str, batch: int, tokens: int) -> float:
-    """Output tokens/s of one vLLM engine of ``dtype`` (or of this engine, ``ours:<precision>``) in this process
-    (after a 2-request warm-up)."""
+def generation_rate(dtype: str, batch: int, tokens: int) -> dict:
+    """:func:`timed_batches` of one vLLM engine of ``dtype`` (or of this engine, ``ours:<precision>``) in this
+    process."""
     apply_env()
     if dtype.startswith("ours:"):
         return our_generation_rate(dtype.removeprefix("ours:"), batch, tokens)
     from vllm import SamplingParams
 
     llm = build_llm(str(resolve_target(None)), max_model_len=1024, dtype=dtype)
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(batch)]
-    sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:2], sp, use_tqdm=False)
-    t = time.perf_counter()
-    out = llm.generate(prompts, sp, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in out) / (time.perf_counter() - t)
+
+    def generate(prompts, max_tokens):
+        out = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in out)
+
+    return timed_batches(generate, batch, tokens)
 
 
-def rate_in_fresh_process(dtype: str, batch: int, tokens: int) -> float:
+def rate_in_fresh_process(dtype: str, batch: int, tokens: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()))
     p = subprocess.run([sys.executable, "-m", __name__, dtype, "--batch", str(batch), "--tokens", str(tokens)],
                        capture_output=True, text=True, env=env, cwd=PROJECT_ROOT)
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT")]
     if not line:
         raise SystemExit(f"{dtype}: no result (exit {p.returncode})\n{p.stderr[-2000:]}")
-    return float(line[0].split()[1])
+    return json.loads(line[0].removeprefix("RESULT "))
 
 
 def run(a, harness) -> dict:
     dtypes = [d for d in a.dtypes.split(",") if d]
-    if len(dtypes) < 2 or a.reps < 1 or a.batch < 2 or a.tokens < 1:
-        raise SystemExit("--dtypes needs two or more dtypes, --reps/--tokens >= 1, --batch >= 2 (the warm-up "
-                         f"takes 2); got {dtypes}, {a.reps}, {a.tokens}, {a.batch}")
+    if len(dtypes) < 2 or a.reps < 1 or a.batch < 1 or a.tokens < 2:
+        raise SystemExit("--dtypes needs two or more dtypes, --reps/--batch >= 1, --tokens >= 2 (one decode round "
+                         f"after the first token); got {dtypes}, {a.reps}, {a.batch}, {a.tokens}")
     cases = {d: (lambda rep, d=d: rate_in_fresh_process(d, a.batch, a.tokens)) for d in dtypes}
     s = harness.interleave(cases, a.reps, label="tok/s",
-                           on_call=lambda d, rep, v: print(f"rep {rep} {d:9s} {v['value']:8.1f} tok/s", flush=True))
-    med = s.medians("value")
-    print("median tok/s: " + ", ".join(f"{d} {m:.1f}" for d, m in med.items()))
-    print("ratios: " + ", ".join(f"{dtypes[0]}/{d} {med[dtypes[0]] / med[d]:.2f}x" for d in dtypes[1:]))
-    harness.compare(s, "value", baseline=dtypes[0], unit="tok/s", digits=1)
-    return {"batch": a.batch, "tokens": a.tokens, "median_tok_s": med,
-            "ratio": {f"{dtypes[0]}/{d}": med[dtypes[0]] / med[d] for d in dtypes[1:]}}
+                           on_call=lambda d, rep, v: print(
+                               f"rep {rep} {d:24s} {v['value']:7.1f} tok/s, prefill {v['prefill_s']:.2f} s, "
+                               f"round {v['round_ms']:.1f} ms", flush=True))
+    med = {m: s.medians(m) for m in ("value", "prefill_s", "round_ms")}
+    for m, unit in (("value", "tok/s"), ("prefill_s", "s"), ("round_ms", "ms")):
+        harness.compare(s, m, baseline=dtypes[0], unit=unit, digits=2, title=f"{m} ({unit}), batch {a.batch}")
+    first = dtypes[0]
+    print(f"{first} / each, speed (tok/s, 1 / prefill time, 1 / round time): " + "; ".join(
+        f"{d} {med['value'][first] / med['value'][d]:.2f}x, {med['prefill_s'][d] / med['prefill_s'][first]:.2f}x, "
+        f"{med['round_ms'][d] / med['round_ms'][first]:.2f}x" for d in dtypes[1:]))
+    return {"batch": a.batch, "tokens": a.tokens, "median_tok_s": med["value"], "median_prefill_s": med["prefill_s"],
+            "median_round_ms": med["round_ms"]}
 
 
 if __name__ == "__main__":  # one measurement, in the fresh process rate_in_fresh_process starts
-    p = argparse.ArgumentParser(description="one vLLM generation-rate measurement (prints RESULT tok/s)")
+    p = argparse.ArgumentParser(description="one generation-rate measurement (prints RESULT {json})")
     p.add_argument("dtype")
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--tokens", type=int, required=True)
     one = p.parse_args()
-    print(f"RESULT {generation_rate(one.dtype, one.batch, one.tokens):.2f}")
+    print(f"RESULT {json.dumps(generation_rate(one.dtype, one.batch, one.tokens))}")

@@ -22,7 +22,7 @@ import torch
 
 from pipeline.core.file_lock import DEFAULT_TIMEOUT_S, atomic_write_text, file_lock, sweep_temporaries
 from pipeline.core.runtime import work_dir
-from pipeline.ops import bf16_linear
+from pipeline.ops import bf16_linear, layer_ops
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def cost_table_key(spec: ProfileSpec, max_tokens_per_request: int, linear_backen
         "linear_backend": linear_backend,
     }
     if linear_backend == "invariant":  # the kernels' source versions: a faster kernel is another curve
-        ident["kernels"] = bf16_linear.version()
+        ident["kernels"] = f"{bf16_linear.version()} {layer_ops.version()}".strip()
     return hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -39,6 +39,7 @@ from pipeline.ops import packed_linear as pl
 from pipeline.ops import small_m_linear as sm
 from pipeline.ops.hugepages import arena_copy
 from pipeline.engine.kv_cache import PagedKVCache
+from pipeline.ops import layer_ops
 from pipeline.ops.layers import apply_rope, rms_norm
 from pipeline.ops.paged_attention import available as paged_attention_available
 from pipeline.ops.paged_attention import paged_attention
@@ -389,6 +390,9 @@ class TargetRunner:
             self.paged = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim,
                                       int(kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS), device=self.device)
             attention_dtype = torch.float32
+        # the paged forward's norms, RoPE and cache writes through pipeline/ops/layer_ops.py (fp32, no q/k norms)
+        self.fused_layer_ops = (self.paged is not None and self.dtype == torch.float32 and not c.qk_norm
+                                and self.device.type == "cpu" and layer_ops.usable(c.hidden_size, c.head_dim))
         # dense KV cache: [layers, slots, max_len, kv_heads, head_dim], in the attention dtype
         if attention_dtype is None:
             attention_dtype = torch.float32 if (self.device.type == "cpu" and self.dtype == torch.bfloat16 and
@@ -704,14 +708,33 @@ class TargetRunner:
         row_req_t = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(batch.num_new)).to(dev)
         H, hd = c.num_heads, c.head_dim
         x, cos, sin, aux_out = self._embed_tokens(ids_t, pos_t, cos_t, sin_t, aux_ids)
-        for li, ly in enumerate(self.layers):
-            q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2, fp32
-            cache.write(li, blocks_t, offsets_t, k, v)
-            att = paged_attention(q, cache.k[li], cache.v[li], tables_t, row_req_t, pos_t, self._scale,
-                                  self._layer_window(ly, batch.key_len))
-            x = self._mlp_block(ly, x, att.view(N, H * hd))
-            if (li + 1) in aux_ids:
-                aux_out[li + 1] = x
+        if self.fused_layer_ops:  # the glue between the matrix products in four kernel calls a layer
+            eps, L = c.rms_norm_eps, len(self.layers)
+            cos, sin = cos.view(N, hd), sin.view(N, hd)
+            h = layer_ops.rms_norm(x, self.layers[0].ln1, eps)
+            for li, ly in enumerate(self.layers):
+                q = layer_ops.rope_write_kv(ly.qkv(h), cos, sin, cache.k[li], cache.v[li], blocks_t, offsets_t, H)
+                att = paged_attention(q, cache.k[li], cache.v[li], tables_t, row_req_t, pos_t, self._scale,
+                                      self._layer_window(ly, batch.key_len))
+                x, h = layer_ops.add_rms_norm(x, ly.o(att.view(N, H * hd)), ly.ln2, eps)
+                gu = ly.gate_up(h)
+                I = gu.shape[-1] // 2
+                mlp = ly.down(F.silu(gu[:, :I]) * gu[:, I:])
+                if li + 1 < L:
+                    x, h = layer_ops.add_rms_norm(x, mlp, self.layers[li + 1].ln1, eps)
+                else:
+                    x = x + mlp
+                if (li + 1) in aux_ids:
+                    aux_out[li + 1] = x
+        else:
+            for li, ly in enumerate(self.layers):
+                q, k, v = self._qkv(ly, x, cos, sin)  # [N, H, hd], [N, KVH, hd] x2, fp32
+                cache.write(li, blocks_t, offsets_t, k, v)
+                att = paged_attention(q, cache.k[li], cache.v[li], tables_t, row_req_t, pos_t, self._scale,
+                                      self._layer_window(ly, batch.key_len))
+                x = self._mlp_block(ly, x, att.view(N, H * hd))
+                if (li + 1) in aux_ids:
+                    aux_out[li + 1] = x
         if M:
             hl = x if (M == N and batch.logit_rows == list(range(N))) else x[rows_t]
             logits = self._logits(hl)
