@@ -74,7 +74,7 @@ from pipeline.ops.packed_linear import use_bf16_kernel
 from pipeline.ops.sampling import SamplingParams
 from pipeline.engine.cost_table import CostTable, ProfileSpec, load_or_profile_cost_table
 from pipeline.engine.scheduler import FixedDepth, make_load_aware_scheduler
-from pipeline.engine.target_runner import TargetRunner, auto_precision, kv_cache_tokens
+from pipeline.engine.target_runner import TargetRunner, auto_precision, kv_cache_tokens, paged_kv_dtype
 from serve_app.events import EventCoalescer
 
 logger = logging.getLogger("ray.serve")
@@ -254,7 +254,9 @@ class EngineReplica:
         dtype = self.precision = auto_precision(opts.device) if opts.dtype == "auto" else opts.dtype
         self.runner = TargetRunner.from_pretrained(opts.target, dtype=dtype, device=opts.device,
                                                    max_seq_len=opts.max_model_len,
-                                                   kv_cache_tokens=kv_cache_tokens(opts.target, opts.kv_cache_gb))
+                                                   kv_cache_tokens=kv_cache_tokens(
+                                                       opts.target, opts.kv_cache_gb,
+                                                       paged_kv_dtype(dtype).itemsize))
         drafter = None
         self.cost_table = self.cost_path = None
         self.load_sched = None

@@ -126,8 +126,10 @@ def _paged_case(H, KVH, hd, lens, seed=0):
 @needs_attention
 @pytest.mark.parametrize("H,KVH,hd", [(9, 3, 64), (8, 8, 64), (16, 2, 128)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_paged_attention_matches_sdpa_and_is_batch_invariant(H, KVH, hd, window):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_sdpa_and_is_batch_invariant(H, KVH, hd, window, cache_dtype):
     q, kb, vb, tables, rr, rp = _paged_case(H, KVH, hd, [37, 100, 5, 300, 16])
+    kb, vb = kb.to(cache_dtype), vb.to(cache_dtype)  # bf16: the reference widens the same bf16 values
     out = pa.paged_attention(q, kb, vb, tables, rr, rp, hd ** -0.5, window)
     ref = pa.reference(q, kb, vb, tables, rr, rp, hd ** -0.5, window)
     assert torch.allclose(out, ref, atol=3e-5), (out - ref).abs().max()
@@ -146,6 +148,8 @@ def test_paged_attention_refuses_bad_layouts():
     with pytest.raises(RuntimeError, match="head dim"):
         pa.paged_attention(q[..., :32].contiguous(), kb[:, :, :32].contiguous(), vb[..., :32].contiguous(), tables,
                            rr, rp, 0.125)
+    with pytest.raises(RuntimeError, match="fp32 or bf16 cache"):  # K and V of different dtypes
+        pa.paged_attention(q, kb.bfloat16(), vb, tables, rr, rp, 0.125)
 
 
 @needs_layer_ops
@@ -173,21 +177,24 @@ def test_fused_norms_are_batch_invariant_and_match_torch():
 
 
 @needs_layer_ops
-def test_fused_rope_writes_the_paged_cache():
-    """q with RoPE (bitwise torch's rotate-half formula), k with RoPE and v in each row's (block, offset)."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_writes_the_paged_cache(cache_dtype):
+    """q with RoPE (bitwise torch's rotate-half formula), k with RoPE and v in each row's (block, offset), rounded
+    as torch casts them to a bf16 cache."""
     g = torch.Generator().manual_seed(4)
     H, KVH, hd, N = 9, 3, 64, 21
     qkv = torch.randn(N, (H + 2 * KVH) * hd, generator=g)
     f = (torch.arange(N) * 7).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, hd, 2) / hd))
     cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
-    kb, vb = torch.zeros(8, KVH, hd, pa.BLOCK), torch.zeros(8, KVH, pa.BLOCK, hd)
+    kb = torch.zeros(8, KVH, hd, pa.BLOCK, dtype=cache_dtype)
+    vb = torch.zeros(8, KVH, pa.BLOCK, hd, dtype=cache_dtype)
     blocks = torch.tensor([5] * 16 + [2] * 5)
     offsets = torch.arange(N) % pa.BLOCK
     q = layer_ops.rope_write_kv(qkv, cos, sin, kb, vb, blocks, offsets, H)
     assert torch.equal(q, apply_rope(qkv[:, :H * hd].view(N, H, hd), cos[:, None], sin[:, None]))
     k_ref = apply_rope(qkv[:, H * hd:(H + KVH) * hd].view(N, KVH, hd), cos[:, None], sin[:, None])
-    assert torch.equal(kb[blocks, :, :, offsets], k_ref)
-    assert torch.equal(vb[blocks, :, offsets, :], qkv[:, (H + KVH) * hd:].view(N, KVH, hd))
+    assert torch.equal(kb[blocks, :, :, offsets], k_ref.to(cache_dtype))
+    assert torch.equal(vb[blocks, :, offsets, :], qkv[:, (H + KVH) * hd:].view(N, KVH, hd).to(cache_dtype))
     assert kb[[0, 1, 3, 4, 6, 7]].abs().sum() == 0  # nothing else written
     with pytest.raises(RuntimeError, match="outside the cache"):
         layer_ops.rope_write_kv(qkv, cos, sin, kb, vb, blocks + 10, offsets, H)

@@ -15,7 +15,7 @@ request (a *slot*) owning the list of blocks its positions fill (its block table
   request fits; ``CacheFull`` names what did not fit, so a caller queues instead of running out of memory.
 
 Layouts (one layer; pipeline/ops/paged_attention.py reads them): keys ``[num_blocks, kv_heads, head_dim, BLOCK]``
-(transposed inside a block), values ``[num_blocks, kv_heads, BLOCK, head_dim]``, fp32.
+(transposed inside a block), values ``[num_blocks, kv_heads, BLOCK, head_dim]``, fp32 or bf16 (``dtype``).
 """
 from __future__ import annotations
 

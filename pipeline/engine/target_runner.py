@@ -289,17 +289,23 @@ def auto_precision(device: str | torch.device = "cpu", hidden_size: int = 576) -
     return "float32"
 
 
-def kv_cache_tokens(target: str | Path, gigabytes: float) -> int:
-    """Token positions a paged KV cache of ``gigabytes`` holds for the HF model at ``target`` (fp32 keys and values
-    of every layer)."""
+def kv_cache_tokens(target: str | Path, gigabytes: float, bytes_per_value: int = 4) -> int:
+    """Token positions a paged KV cache of ``gigabytes`` holds for the HF model at ``target`` (keys and values of
+    every layer, ``bytes_per_value`` each: 4 fp32, 2 bf16 -- ``paged_kv_dtype``)."""
     import json
 
     cfg = json.loads((Path(target) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * bytes_per_value
     return int(gigabytes * (1 << 30) // per_token)
+
+
+def paged_kv_dtype(precision: str | torch.dtype) -> torch.dtype:
+    """The paged KV cache's dtype for a runner of this precision: bf16 for ``bfloat16:invariant`` (its keys and
+    values come out of bf16 weights; half the bytes for attention to stream), fp32 otherwise (fp32 stays exact)."""
+    return torch.bfloat16 if parse_precision(precision)[1] == "invariant" else torch.float32
 
 
 def choose_kv_layout(kv_cache: str, device: torch.device, c: TargetConfig, attention_dtype) -> str:
@@ -357,7 +363,8 @@ class TargetRunner:
         attention_dtype: the KV cache's dtype, in which attention runs (None: ``fp32_attention_wins`` decides for a
         bf16 runner on CPU, else the compute dtype).
         kv_cache: "paged" (pipeline/engine/kv_cache.py: blocks of 16 positions per request, batch-invariant attention
-        by pipeline/ops/paged_attention.py; CPU with AVX-512, fp32), "dense" (one [slots, max_len] region per
+        by pipeline/ops/paged_attention.py; CPU with AVX-512, fp32 attention over an fp32 cache, or a bf16 one for
+        ``bfloat16:invariant``: ``paged_kv_dtype``), "dense" (one [slots, max_len] region per
         request, SDPA; the GPU path and CUDA graphs) or "auto" (paged where its kernel runs, else dense).
         kv_cache_tokens: the paged cache's budget in token positions (all requests together; default
         ``DEFAULT_KV_CACHE_TOKENS``)."""
@@ -388,7 +395,9 @@ class TargetRunner:
         self.paged: PagedKVCache | None = None
         if self.kv_layout == "paged":
             self.paged = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim,
-                                      int(kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS), device=self.device)
+                                      int(kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS),
+                                      dtype=paged_kv_dtype(dtype),
+                                      device=self.device)
             attention_dtype = torch.float32
         # the paged forward's norms, RoPE and cache writes through pipeline/ops/layer_ops.py (fp32, no q/k norms)
         self.fused_layer_ops = (self.paged is not None and self.dtype == torch.float32 and not c.qk_norm

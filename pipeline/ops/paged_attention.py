@@ -5,6 +5,8 @@ The cache of one layer is a pool of blocks of ``BLOCK`` = 16 token positions:
     k_blocks [num_blocks, kv_heads, head_dim, 16]   keys, transposed inside a block (16 scores per register)
     v_blocks [num_blocks, kv_heads, 16, head_dim]   values
 
+in fp32 or bf16 (half the bytes to stream; each value is widened exactly as it is loaded, the arithmetic is fp32)
+
 and a request owns a list of blocks (its block table), so its memory follows its own length and a rollback is a
 truncation of the table.  A forward hands the kernel every query row with its request (an index into the block
 tables) and its absolute position; the row attends to positions 0..position of its request (or the last ``window``
@@ -39,8 +41,8 @@ def unavailable_reason() -> str | None:
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor,
                     row_request: torch.Tensor, row_position: torch.Tensor, scale: float,
                     window: int | None = None) -> torch.Tensor:
-    """q [N, H, hd] fp32 -> [N, H, hd]; see the module docstring for the other arguments (tables int32 [R, W],
-    row_request / row_position int64 [N])."""
+    """q [N, H, hd] fp32 -> [N, H, hd] fp32; see the module docstring for the other arguments (the blocks fp32 or
+    bf16, tables int32 [R, W], row_request / row_position int64 [N])."""
     return EXT.module.paged_attention(q.contiguous(), k_blocks, v_blocks, tables, row_request, row_position,
                                       float(scale), int(window or 0))
 
@@ -55,8 +57,8 @@ def reference(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, t
     for i in range(N):
         p = int(row_position[i])
         blocks = tables[int(row_request[i]), :p // BLOCK + 1].long()
-        k = k_blocks[blocks].permute(0, 3, 1, 2).reshape(-1, KVH, hd)[:p + 1]  # [p+1, KVH, hd]
-        v = v_blocks[blocks].permute(0, 2, 1, 3).reshape(-1, KVH, hd)[:p + 1]
+        k = k_blocks[blocks].float().permute(0, 3, 1, 2).reshape(-1, KVH, hd)[:p + 1]  # [p+1, KVH, hd]
+        v = v_blocks[blocks].float().permute(0, 2, 1, 3).reshape(-1, KVH, hd)[:p + 1]
         if window:
             k, v = k[max(0, p + 1 - window):], v[max(0, p + 1 - window):]
         o = F.scaled_dot_product_attention(q[i][:, None], k.transpose(0, 1), v.transpose(0, 1), scale=scale,

@@ -50,6 +50,35 @@ inline void rope_head(const float* x, const float* c, const float* s, float* out
   }
 }
 
+// a cache value: fp32 as is, bf16 rounded to nearest even (as torch converts)
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  *p = (u & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>(0x7fc0) :
+       static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// the rows [a, e) of rope_write_kv, the cache in T
+template <typename T>
+void rope_rows(const float* X, const float* C, const float* S, float* Q, T* K, T* V, const int64_t* B,
+               const int64_t* F, int64_t a, int64_t e, int64_t H, int64_t KVH, int64_t HD, int64_t BS, int64_t width) {
+  alignas(64) float k_rot[512];
+  for (int64_t i = a; i < e; ++i) {
+    const float* row = X + i * width;
+    const float *c = C + i * HD, *s = S + i * HD;
+    for (int64_t h = 0; h < H; ++h) rope_head(row + h * HD, c, s, Q + (i * H + h) * HD, HD);
+    for (int64_t h = 0; h < KVH; ++h) {
+      rope_head(row + (H + h) * HD, c, s, k_rot, HD);
+      T* kb = K + ((B[i] * KVH + h) * HD) * BS + F[i];  // [hd] strided by BS
+      for (int64_t j = 0; j < HD; ++j) store(kb + j * BS, k_rot[j]);
+      T* vb = V + ((B[i] * KVH + h) * BS + F[i]) * HD;
+      const float* v = row + (H + KVH + h) * HD;
+      for (int64_t j = 0; j < HD; ++j) store(vb + j, v[j]);
+    }
+  }
+}
+
 }  // namespace
 
 // x [N, d], w [d] -> RMSNorm(x) [N, d]
@@ -88,16 +117,17 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
 }
 
 // qkv [N, (H + 2 KVH) hd] (a fused q/k/v projection), cos / sin [N, hd] at the rows' positions, one layer's paged
-// cache k_blocks [NB, KVH, hd, BS] / v_blocks [NB, KVH, BS, hd], blocks / offsets [N] int64 (each row's cache
+// cache k_blocks [NB, KVH, hd, BS] / v_blocks [NB, KVH, BS, hd] (fp32 or bf16), blocks / offsets [N] int64 (each row's cache
 // block and offset in it) -> q [N, H, hd] with RoPE; k (with RoPE) and v written into the cache.
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             torch::Tensor& k_blocks, torch::Tensor& v_blocks, const torch::Tensor& blocks,
                             const torch::Tensor& offsets, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
               "rope_write_kv: qkv must be fp32 [N, (H + 2 KVH) hd], contiguous");
-  TORCH_CHECK(k_blocks.dim() == 4 && v_blocks.dim() == 4 && k_blocks.scalar_type() == at::kFloat &&
-              v_blocks.scalar_type() == at::kFloat && k_blocks.is_contiguous() && v_blocks.is_contiguous(),
-              "rope_write_kv: fp32 contiguous cache blocks");
+  const bool bf16 = k_blocks.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(k_blocks.dim() == 4 && v_blocks.dim() == 4 && (bf16 || k_blocks.scalar_type() == at::kFloat) &&
+              v_blocks.scalar_type() == k_blocks.scalar_type() && k_blocks.is_contiguous() &&
+              v_blocks.is_contiguous(), "rope_write_kv: fp32 or bf16 contiguous cache blocks, one dtype");
   const int64_t N = qkv.size(0), KVH = k_blocks.size(1), HD = k_blocks.size(2), BS = k_blocks.size(3);
   const int64_t H = num_heads;
   TORCH_CHECK(HD % 32 == 0 && HD <= 512, "rope_write_kv: head dim must be a multiple of 32 up to 512, got ", HD);
@@ -118,21 +148,15 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
                 " offset ", F[i], " outside the cache");
   auto q = torch::empty({N, H, HD}, qkv.options());
   const float *X = qkv.data_ptr<float>(), *C = cos.data_ptr<float>(), *S = sin.data_ptr<float>();
-  float *Q = q.data_ptr<float>(), *K = k_blocks.data_ptr<float>(), *V = v_blocks.data_ptr<float>();
+  float* Q = q.data_ptr<float>();
   const int64_t width = qkv.size(1);
   at::parallel_for(0, N, GRAIN, [&](int64_t a, int64_t e) {
-    alignas(64) float k_rot[512];
-    for (int64_t i = a; i < e; ++i) {
-      const float* row = X + i * width;
-      const float *c = C + i * HD, *s = S + i * HD;
-      for (int64_t h = 0; h < H; ++h) rope_head(row + h * HD, c, s, Q + (i * H + h) * HD, HD);
-      for (int64_t h = 0; h < KVH; ++h) {
-        rope_head(row + (H + h) * HD, c, s, k_rot, HD);
-        float* kb = K + ((B[i] * KVH + h) * HD) * BS + F[i];  // [hd] strided by BS
-        for (int64_t j = 0; j < HD; ++j) kb[j * BS] = k_rot[j];
-        std::memcpy(V + ((B[i] * KVH + h) * BS + F[i]) * HD, row + (H + KVH + h) * HD, HD * sizeof(float));
-      }
-    }
+    if (bf16)
+      rope_rows(X, C, S, Q, reinterpret_cast<uint16_t*>(k_blocks.data_ptr<at::BFloat16>()),
+                reinterpret_cast<uint16_t*>(v_blocks.data_ptr<at::BFloat16>()), B, F, a, e, H, KVH, HD, BS, width);
+    else
+      rope_rows(X, C, S, Q, k_blocks.data_ptr<float>(), v_blocks.data_ptr<float>(), B, F, a, e, H, KVH, HD, BS,
+                width);
   });
   return q;
 }

@@ -1,4 +1,5 @@
-// Causal attention of a ragged batch of query rows over a paged (block) KV cache, fp32, AVX-512.
+// Causal attention of a ragged batch of query rows over a paged (block) KV cache, fp32 arithmetic, AVX-512; the
+// cache holds fp32 or bf16 keys and values (bf16: half the bytes streamed, each value widened exactly on load).
 // Built and loaded by pipeline/ops/paged_attention.py; see there for the cache layout and why it exists.
 //
 // Batch invariance: a query row's output depends only on its query, its position and the keys it may see, reduced in
@@ -37,10 +38,17 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 cache values from p, as fp32 (bf16 widened exactly: its bits are the high half of the fp32 bits)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // G query heads q[g * HD ...] of one row against the keys [first, last] of one KV head.
-// Kc: this KV head's first K block, blocks `kstride` floats apart, each [HD][BS]; Vc likewise, each [BS][HD].
-template <int HD>
-void attend(const float* q, int G, const float* Kc, const float* Vc, const int32_t* table, int64_t kstride,
+// Kc: this KV head's first K block, blocks `kstride` values apart, each [HD][BS]; Vc likewise, each [BS][HD].
+template <int HD, typename T>
+void attend(const float* q, int G, const T* Kc, const T* Vc, const int32_t* table, int64_t kstride,
             int64_t first, int64_t last, float scale, float* out) {
   constexpr int D = HD / 16;
   __m512 acc[MAX_G][D];
@@ -52,15 +60,15 @@ void attend(const float* q, int G, const float* Kc, const float* Vc, const int32
   }
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t b = first / BS; b <= last / BS; ++b) {
-    const float* K = Kc + static_cast<int64_t>(table[b]) * kstride;
-    const float* V = Vc + static_cast<int64_t>(table[b]) * kstride;
+    const T* K = Kc + static_cast<int64_t>(table[b]) * kstride;
+    const T* V = Vc + static_cast<int64_t>(table[b]) * kstride;
     const int lo = static_cast<int>(std::max<int64_t>(first - b * BS, 0));
     const int hi = static_cast<int>(std::min<int64_t>(last - b * BS, BS - 1));
     const __mmask16 valid = static_cast<__mmask16>(((1u << (hi + 1)) - 1u) & ~((1u << lo) - 1u));
     __m512 s[MAX_G];
     for (int g = 0; g < G; ++g) s[g] = _mm512_setzero_ps();
     for (int d = 0; d < HD; ++d) {
-      const __m512 kd = _mm512_loadu_ps(K + d * BS);
+      const __m512 kd = load16(K + d * BS);
       for (int g = 0; g < G; ++g) s[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * HD + d]), kd, s[g]);
     }
     alignas(64) float p[MAX_G][BS];
@@ -77,7 +85,7 @@ void attend(const float* q, int G, const float* Kc, const float* Vc, const int32
     }
     for (int j = lo; j <= hi; ++j) {
       __m512 v[D];
-      for (int d = 0; d < D; ++d) v[d] = _mm512_loadu_ps(V + j * HD + d * 16);
+      for (int d = 0; d < D; ++d) v[d] = load16(V + j * HD + d * 16);
       for (int g = 0; g < G; ++g) {
         const __m512 pj = _mm512_set1_ps(p[g][j]);
         for (int d = 0; d < D; ++d) acc[g][d] = _mm512_fmadd_ps(pj, v[d], acc[g][d]);
@@ -90,9 +98,30 @@ void attend(const float* q, int G, const float* Kc, const float* Vc, const int32
   }
 }
 
+template <typename T>
+void run(const float* Q, const T* K, const T* V, const int32_t* T_, const int64_t* RR, const int64_t* RP, float* O,
+         int64_t N, int64_t H, int64_t HD, int64_t KVH, int64_t width, double scale, int64_t window) {
+  const int64_t G = H / KVH, kstride = KVH * HD * BS;
+  at::parallel_for(0, N * KVH, 1, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; ++t) {
+      const int64_t row = t / KVH, kv = t % KVH;
+      const int64_t last = RP[row], first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+      const float* qh = Q + (row * H + kv * G) * HD;
+      float* oh = O + (row * H + kv * G) * HD;
+      const int32_t* tab = T_ + RR[row] * width;
+      if (HD == 64)
+        attend<64, T>(qh, static_cast<int>(G), K + kv * HD * BS, V + kv * BS * HD, tab, kstride, first, last,
+                      static_cast<float>(scale), oh);
+      else
+        attend<128, T>(qh, static_cast<int>(G), K + kv * HD * BS, V + kv * BS * HD, tab, kstride, first, last,
+                       static_cast<float>(scale), oh);
+    }
+  });
+}
+
 }  // namespace
 
-// q [N, H, HD] fp32; k_blocks [NB, KVH, HD, BS], v_blocks [NB, KVH, BS, HD] fp32 (one layer); tables [R, T] int32
+// q [N, H, HD] fp32; k_blocks [NB, KVH, HD, BS], v_blocks [NB, KVH, BS, HD] fp32 or bf16, one dtype (one layer); tables [R, T] int32
 // (the cache blocks of each request, in order); row_request [N] int64 (the request of each query row, an index into
 // tables); row_position [N] int64 (its absolute position: it sees keys 0..position, or the last `window` of them).
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_blocks, const torch::Tensor& v_blocks,
@@ -100,8 +129,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_blo
                               const torch::Tensor& row_position, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_blocks.dim() == 4 && v_blocks.dim() == 4, "paged_attention: bad ranks");
   const int64_t N = q.size(0), H = q.size(1), HD = q.size(2), KVH = k_blocks.size(1);
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_blocks.scalar_type() == at::kFloat &&
-              v_blocks.scalar_type() == at::kFloat, "paged_attention: fp32 q and cache");
+  const bool bf16 = k_blocks.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (bf16 || k_blocks.scalar_type() == at::kFloat) &&
+              v_blocks.scalar_type() == k_blocks.scalar_type(), "paged_attention: fp32 q, an fp32 or bf16 cache");
   TORCH_CHECK(HD == 64 || HD == 128, "paged_attention: head dim 64 or 128, got ", HD);
   TORCH_CHECK(k_blocks.size(2) == HD && k_blocks.size(3) == BS && v_blocks.size(2) == BS && v_blocks.size(3) == HD,
               "paged_attention: K blocks [NB, KVH, HD, 16] and V blocks [NB, KVH, 16, HD]");
@@ -113,31 +143,21 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_blo
   auto out = torch::empty_like(q);
   if (N == 0) return out;
   const float* Q = q.data_ptr<float>();
-  const float* K = k_blocks.data_ptr<float>();
-  const float* V = v_blocks.data_ptr<float>();
   const int32_t* T = tables.data_ptr<int32_t>();
   const int64_t* RR = row_request.data_ptr<int64_t>();
   const int64_t* RP = row_position.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
-  const int64_t width = tables.size(1), G = H / KVH, kstride = KVH * HD * BS;
+  const int64_t width = tables.size(1);
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK(RP[i] >= 0 && RP[i] / BS < width, "paged_attention: row ", i, " position ", RP[i],
                 " beyond its block table");
-  at::parallel_for(0, N * KVH, 1, [&](int64_t a, int64_t e) {
-    for (int64_t t = a; t < e; ++t) {
-      const int64_t row = t / KVH, kv = t % KVH;
-      const int64_t last = RP[row], first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
-      const float* qh = Q + (row * H + kv * G) * HD;
-      float* oh = O + (row * H + kv * G) * HD;
-      const int32_t* tab = T + RR[row] * width;
-      if (HD == 64)
-        attend<64>(qh, static_cast<int>(G), K + kv * HD * BS, V + kv * BS * HD, tab, kstride, first, last,
-                   static_cast<float>(scale), oh);
-      else
-        attend<128>(qh, static_cast<int>(G), K + kv * HD * BS, V + kv * BS * HD, tab, kstride, first, last,
-                    static_cast<float>(scale), oh);
-    }
-  });
+  if (bf16)
+    run<uint16_t>(Q, reinterpret_cast<const uint16_t*>(k_blocks.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(v_blocks.data_ptr<at::BFloat16>()), T, RR, RP, O, N, H, HD, KVH,
+                  width, scale, window);
+  else
+    run<float>(Q, k_blocks.data_ptr<float>(), v_blocks.data_ptr<float>(), T, RR, RP, O, N, H, HD, KVH, width, scale,
+               window);
   return out;
 }
 
