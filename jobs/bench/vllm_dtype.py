@@ -3,9 +3,10 @@
 Each repetition runs every entry of --dtypes in a fresh process (interleaved A B, B A, ...): a vLLM engine of that
 dtype (``float32``, ``bfloat16``), or this engine's plain decoding in that precision (``ours:<precision>``, e.g.
 ``ours:bfloat16:invariant``, as jobs.evaluate --spec-dtype: no drafter, the same batched engine the server runs).
-All see the same batches of N synthetic 100-token prompts (greedy, ignore_eos) after a 2-request warm-up: one batch
-to 1 new token (its time: the prefill of N prompts), then a fresh batch to T new tokens (tok/s); the difference over
-T - 1 is the time of one decode round of N requests.  Prints tok/s, prefill seconds and round milliseconds per run,
+All see the same batches of N synthetic 100-token prompts (greedy, ignore_eos) after a warm-up batch of N prompts to
+2 tokens (a fresh process first touches its activation memory there, not in a measured batch): one batch to 1 new
+token (its time: the prefill of N prompts), then a fresh batch to T new tokens (tok/s); the difference over T - 1 is
+the time of one decode round of N requests.  Prints tok/s, prefill seconds and round milliseconds per run,
 the medians and the ratios to the first entry.
 
     python -m jobs.bench vllm_dtype --batch 32 --tokens 64 --reps 2
@@ -45,9 +46,9 @@ def prompt_ids(batch: int, first: int = 0) -> list[list[int]]:
 
 
 def timed_batches(generate, batch: int, tokens: int) -> dict:
-    """``generate(prompts, max_tokens)``: a 2-request warm-up, a batch to 1 token, a fresh batch to ``tokens`` ->
-    {value: tok/s of the second, prefill_s: time of the first, round_ms: one decode round of the batch}."""
-    generate(prompt_ids(2, 10_000), tokens)
+    """``generate(prompts, max_tokens)``: a warm-up batch to 2 tokens, a batch to 1 token, a fresh batch to ``tokens``
+    -> {value: tok/s of the last, prefill_s: time of the one before, round_ms: one decode round of the batch}."""
+    generate(prompt_ids(batch, 10_000), 2)
     t = time.perf_counter()
     generate(prompt_ids(batch, 0), 1)
     t1 = time.perf_counter() - t
