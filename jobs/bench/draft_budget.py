@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.dspark.drafter import DSparkDrafter
-from pipeline.eval.evaluation import drafter_bf16_linears, load_drafter_for, resolve_drafter_dtype
-from pipeline.ops.packed_linear import use_bf16_kernel
+from pipeline.eval.evaluation import in_drafter_precision, load_drafter_for
 from pipeline.core.runtime import torch_threads
 from pipeline.ops.sampling import SamplingParams
 from pipeline.data.target_model import resolve_target
@@ -57,7 +56,6 @@ def add_arguments(ap) -> None:
 
 
 def build_drafter(args, target):
-    dtype = resolve_drafter_dtype(args.drafter_dtype, args.dtype, "cpu")
     if args.drafter:
         return load_drafter_for(args.drafter, str(target), args.drafter_dtype, args.dtype)
     tw = load_target_weights(str(target))
@@ -66,10 +64,7 @@ def build_drafter(args, target):
     m = DSparkDrafter(cfg)
     m.set_draft_vocab(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values)
     m.load_frozen(tw.embed, tw.lm_head)
-    m = m.to(dtype)
-    if drafter_bf16_linears(args.drafter_dtype, args.dtype, "cpu"):
-        use_bf16_kernel(m)
-    return m
+    return in_drafter_precision(m, args.drafter_dtype, args.dtype)
 
 
 def run(args, harness) -> dict:

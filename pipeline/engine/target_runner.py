@@ -726,9 +726,7 @@ class TargetRunner:
                 att = paged_attention(q, cache.k[li], cache.v[li], tables_t, row_req_t, pos_t, self._scale,
                                       self._layer_window(ly, batch.key_len))
                 x, h = layer_ops.add_rms_norm(x, ly.o(att.view(N, H * hd)), ly.ln2, eps)
-                gu = ly.gate_up(h)
-                I = gu.shape[-1] // 2
-                mlp = ly.down(F.silu(gu[:, :I]) * gu[:, I:])
+                mlp = self._swiglu(ly, h)
                 if li + 1 < L:
                     x, h = layer_ops.add_rms_norm(x, mlp, self.layers[li + 1].ln1, eps)
                 else:
@@ -905,10 +903,14 @@ class TargetRunner:
         """Residual stream after the attention output ``att`` [N, H*hd] (in the cache dtype) and the SwiGLU MLP:
         [N, d]."""
         x = x + ly.o(att.to(x.dtype))
-        h = rms_norm(x, ly.ln2, self.config.rms_norm_eps)
+        return x + self._swiglu(ly, rms_norm(x, ly.ln2, self.config.rms_norm_eps))
+
+    @staticmethod
+    def _swiglu(ly: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP of normed rows h [N, d] -> [N, d]."""
         gu = ly.gate_up(h)
         I = gu.shape[-1] // 2
-        return x + ly.down(F.silu(gu[:, :I]) * gu[:, I:])
+        return ly.down(F.silu(gu[:, :I]) * gu[:, I:])
 
     def _logits(self, hl: torch.Tensor) -> torch.Tensor:
         """Residual stream rows [M, d] -> fp32 logits [M, V] (final norm + LM head in the head dtype)."""

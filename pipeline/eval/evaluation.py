@@ -208,12 +208,19 @@ def drafter_bf16_linears(choice: str, spec_dtype: str, device: str) -> bool:
     return choice == "auto" and spec_dtype.endswith(":invariant") and device == "cpu" and bf16_linear.available()
 
 
+def in_drafter_precision(drafter, choice: str, spec_dtype: str, device: str = "cpu"):
+    """``drafter`` cast to the precision --drafter-dtype ``choice`` gives it beside a ``spec_dtype`` target (its
+    linears on the bf16 kernel where ``drafter_bf16_linears``)."""
+    drafter = drafter.to(resolve_drafter_dtype(choice, spec_dtype, device))
+    if drafter_bf16_linears(choice, spec_dtype, device):
+        use_bf16_kernel(drafter)
+    return drafter
+
+
 def load_drafter_for(path, target: str, choice: str, spec_dtype: str, device: str = "cpu"):
     """The drafter at ``path`` in the precision --drafter-dtype ``choice`` gives it beside a ``spec_dtype`` target."""
     d = load_drafter(path, target, dtype=resolve_drafter_dtype(choice, spec_dtype, device), device=device)
-    if drafter_bf16_linears(choice, spec_dtype, device):
-        use_bf16_kernel(d)
-    return d
+    return in_drafter_precision(d, choice, spec_dtype, device)
 
 
 def drafter_precision_name(choice: str, spec_dtype: str, device: str) -> str:
